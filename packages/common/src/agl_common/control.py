@@ -1,0 +1,48 @@
+"""The pause / drain / resume protocol between the trainer and every gateway replica.
+
+1. The trainer publishes ``ControlCommand(cmd="pause", id=N)``.
+2. Each replica stops forwarding new calls (they are *held*, not rejected), lets in-flight calls
+   finish, and once its in-flight count is 0 reports ``drained_id=N`` in its heartbeat.
+3. :func:`pause_and_drain` returns when every live replica reports ``drained_id == N``.
+4. ``resume`` releases held calls, optionally switching new calls to a new policy (served model name
+   and version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from .schemas import ControlCommand, ReplicaStatus
+from .store import Store
+
+
+class DrainTimeout(TimeoutError):
+    """Not every live gateway replica acknowledged the drain in time."""
+
+
+async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float = 0.05) -> list[ReplicaStatus]:
+    """Pause all gateway replicas and wait until each reports its in-flight calls drained.
+
+    Returns the replicas' statuses at the moment of the acknowledgement. With no live replica, returns
+    ``[]`` at once (nothing can be in flight). Raises :class:`DrainTimeout` after ``timeout_s`` seconds.
+    """
+    command = ControlCommand(cmd="pause", id=uuid.uuid4().hex)
+    await store.publish_control(command)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = await store.replicas()
+        if all(r.paused and r.drained_id == command.id for r in replicas):
+            return replicas
+        if time.monotonic() > deadline:
+            waiting = [r.replica_id for r in replicas if r.drained_id != command.id]
+            raise DrainTimeout(f"replicas not drained after {timeout_s} s: {waiting}")
+        await asyncio.sleep(poll_s)
+
+
+async def resume(store: Store, model: str | None = None, version: int | None = None) -> ControlCommand:
+    """Release held calls on every replica; with ``model`` set, route new calls to that policy."""
+    command = ControlCommand(cmd="resume", id=uuid.uuid4().hex, model=model, version=version)
+    await store.publish_control(command)
+    return command

@@ -1,0 +1,147 @@
+"""Every wire type of AGL, and the rollout state machine.
+
+This is the project's only shared vocabulary: the gateway writes these records, the controller moves
+rollouts through their states, the trainer reads both. Nothing else invents its own dict shapes.
+Field names follow ``shared/CONTRACT.md`` section 3.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RolloutStatus(str, Enum):
+    """Lifecycle of a rollout (CONTRACT §3)."""
+
+    queuing = "queuing"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+#: Allowed transitions, checked in one place (:func:`check_transition`). A retry moves a finished
+#: rollout back to ``queuing`` with a new attempt id.
+TRANSITIONS: dict[RolloutStatus, set[RolloutStatus]] = {
+    RolloutStatus.queuing: {RolloutStatus.running, RolloutStatus.failed},
+    RolloutStatus.running: {RolloutStatus.succeeded, RolloutStatus.failed, RolloutStatus.queuing},
+    RolloutStatus.succeeded: set(),
+    RolloutStatus.failed: {RolloutStatus.queuing},
+}
+
+TERMINAL = {RolloutStatus.succeeded, RolloutStatus.failed}
+
+
+class InvalidTransition(ValueError):
+    """A rollout was asked to move to a state its current state does not allow."""
+
+
+def check_transition(old: RolloutStatus, new: RolloutStatus) -> None:
+    """Raise :class:`InvalidTransition` unless ``old -> new`` is in :data:`TRANSITIONS`."""
+    if new not in TRANSITIONS[old]:
+        raise InvalidTransition(f"rollout cannot move from {old.value} to {new.value}")
+
+
+class Rollout(BaseModel):
+    """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group."""
+
+    rollout_id: str
+    input: dict[str, Any] = Field(default_factory=dict)
+    status: RolloutStatus = RolloutStatus.queuing
+    attempt_id: str = "0"
+    reward: float | None = None
+    reward_message: str | None = None
+    failure: str | None = None
+    group_id: str | None = None
+    policy_version: int = 0
+    n_calls: int = 0
+    created_at: float = Field(default_factory=time.time)
+    started_at: float | None = None
+    ended_at: float | None = None
+    env_map: dict[str, str] = Field(default_factory=dict)
+
+
+Route = Literal["chat", "completions", "messages", "responses"]
+
+
+class CallRecord(BaseModel):
+    """One model call as the gateway recorded it (CONTRACT §3).
+
+    ``response_token_ids`` and ``response_logprobs`` are aligned: ``len(response_logprobs) ==
+    len(response_token_ids)`` whenever logprobs are present. Logprobs are natural-log probabilities
+    (float, nats) of each sampled token under the serving policy, as the engine reported them.
+    ``started_at`` / ``ended_at`` are Unix seconds; ``latency_ms`` is milliseconds.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout_id: str
+    attempt_id: str
+    seq: int
+    route: Route
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    response_token_ids: list[int] = Field(default_factory=list)
+    response_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    model_version: int = 0
+    model: str | None = None
+    latency_ms: float = 0.0
+    status: Literal["ok", "error"] = "ok"
+    error: str | None = None
+    started_at: float = 0.0
+    ended_at: float = 0.0
+
+
+class RewardIn(BaseModel):
+    """Body of ``POST .../reward``."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    message: str | None = None
+
+
+class EventIn(BaseModel):
+    """Body of ``POST .../events``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class ControlCommand(BaseModel):
+    """A message on the gateway control channel.
+
+    ``pause``: stop forwarding new calls (hold them) and acknowledge ``drained`` once in-flight calls
+    reach 0. ``resume``: release held calls; if ``model`` is set, new calls go to that served model
+    name, tagged with ``version``.
+    """
+
+    cmd: Literal["pause", "resume"]
+    id: str
+    model: str | None = None
+    version: int | None = None
+
+
+class ReplicaStatus(BaseModel):
+    """What one gateway replica reports in its heartbeat (refreshed every second, with a TTL)."""
+
+    replica_id: str
+    paused: bool = False
+    in_flight: int = 0
+    held: int = 0
+    drained_id: str | None = None
+    model: str | None = None
+    version: int = 0
+    updated_at: float = Field(default_factory=time.time)
+
+
+class Policy(BaseModel):
+    """The policy the gateway routes new calls to: a served model name and its version number."""
+
+    model: str
+    version: int = 0

@@ -1,0 +1,21 @@
+"""Settings shared by every AGL process. Each default lives here once.
+
+Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_REDIS_URL``,
+``AGL_PREFIX``...), as CONTRACT §4 requires.
+"""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "agl:"
+
+
+class CommonSettings(BaseSettings):
+    """Where Redis is and which key prefix this experiment uses."""
+
+    model_config = SettingsConfigDict(env_prefix="AGL_", extra="ignore")
+
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX

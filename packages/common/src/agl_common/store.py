@@ -1,0 +1,230 @@
+"""The Redis layout and every read and write of it (redis-py asyncio).
+
+Keys, all under a configurable prefix ``P`` (default ``agl:``):
+
+================================  ========  ==================================================
+key                               type      holds
+================================  ========  ==================================================
+``P rollout:{rid}``               string    the :class:`Rollout` as JSON
+``P rollouts``                    zset      rollout ids scored by creation time (Unix s)
+``P queue``                       list      rollout ids waiting for the controller
+``P calls:{rid}``                 stream    one entry per recorded model call, field ``d``
+``P seq:{rid}:{aid}``             string    call counter of one attempt (next ``seq``)
+``P events:{rid}``                stream    custom events posted by the agent
+``P policy``                      string    the :class:`Policy` new calls are routed to
+``P control``                     pub/sub   :class:`ControlCommand` messages
+``P control:last``                string    the last command, for replicas that missed it
+``P replica:{id}``                string    :class:`ReplicaStatus` heartbeat, expires after 5 s
+================================  ========  ==================================================
+
+A store object is passed to whoever needs it; nothing is kept in module-level state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from .schemas import (
+    CallRecord,
+    ControlCommand,
+    Policy,
+    ReplicaStatus,
+    Rollout,
+    RolloutStatus,
+    check_transition,
+)
+from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+
+REPLICA_TTL_S = 5
+
+
+class RolloutNotFound(KeyError):
+    """No rollout with this id exists."""
+
+
+class Store:
+    """Typed access to one experiment's Redis keys.
+
+    Args:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        prefix: key prefix, so several experiments can share one Redis.
+    Errors from Redis (``redis.exceptions.ConnectionError`` and friends) propagate to the caller.
+    """
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX):
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.r: aioredis.Redis = aioredis.from_url(
+            redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=10
+        )
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.r.ping())
+
+    # ---------------------------------------------------------------- rollouts
+    async def create_rollout(self, rollout: Rollout, enqueue: bool = True) -> Rollout:
+        """Store a new rollout (fails with ``ValueError`` if the id exists) and queue it."""
+        key = self.key("rollout", rollout.rollout_id)
+        ok = await self.r.set(key, rollout.model_dump_json(), nx=True)
+        if not ok:
+            raise ValueError(f"rollout {rollout.rollout_id!r} already exists")
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zadd(self.key("rollouts"), {rollout.rollout_id: rollout.created_at})
+        if enqueue:
+            pipe.lpush(self.key("queue"), rollout.rollout_id)
+        await pipe.execute()
+        return rollout
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        raw = await self.r.get(self.key("rollout", rollout_id))
+        if raw is None:
+            raise RolloutNotFound(rollout_id)
+        return Rollout.model_validate_json(raw)
+
+    async def get_rollouts(self, rollout_ids: list[str]) -> list[Rollout]:
+        """Fetch many rollouts in one round trip; raises :class:`RolloutNotFound` for a missing one."""
+        if not rollout_ids:
+            return []
+        raws = await self.r.mget([self.key("rollout", rid) for rid in rollout_ids])
+        out = []
+        for rid, raw in zip(rollout_ids, raws):
+            if raw is None:
+                raise RolloutNotFound(rid)
+            out.append(Rollout.model_validate_json(raw))
+        return out
+
+    async def list_rollouts(self, limit: int = 1000) -> list[Rollout]:
+        ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, limit - 1)]
+        return await self.get_rollouts(ids)
+
+    async def update_rollout(self, rollout_id: str, change: Callable[[Rollout], None]) -> Rollout:
+        """Apply ``change`` to the stored rollout atomically (optimistic WATCH/MULTI, retried).
+
+        ``change`` mutates the rollout in place and may raise to abort (nothing is written).
+        A changed ``status`` is checked against the state machine here, in one place.
+        """
+        key = self.key("rollout", rollout_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise RolloutNotFound(rollout_id)
+                    rollout = Rollout.model_validate_json(raw)
+                    old_status = rollout.status
+                    change(rollout)
+                    if rollout.status != old_status:
+                        check_transition(old_status, rollout.status)
+                    pipe.multi()
+                    pipe.set(key, rollout.model_dump_json())
+                    await pipe.execute()
+                    return rollout
+                except WatchError:
+                    continue
+
+    async def set_status(
+        self, rollout_id: str, status: RolloutStatus, failure: str | None = None
+    ) -> Rollout:
+        """Move a rollout to ``status`` (checked), stamping ``started_at`` / ``ended_at``."""
+
+        def change(r: Rollout) -> None:
+            r.status = status
+            now = time.time()
+            if status == RolloutStatus.running:
+                r.started_at = now
+                r.failure = None
+            elif status in (RolloutStatus.succeeded, RolloutStatus.failed):
+                r.ended_at = now
+                r.failure = failure
+
+        return await self.update_rollout(rollout_id, change)
+
+    async def pop_queued(self, timeout_s: float = 1.0) -> str | None:
+        """Block up to ``timeout_s`` seconds for the next queued rollout id."""
+        item = await self.r.brpop([self.key("queue")], timeout=timeout_s)
+        return item[1].decode() if item else None
+
+    async def enqueue(self, rollout_id: str) -> None:
+        await self.r.lpush(self.key("queue"), rollout_id)
+
+    # ---------------------------------------------------------------- calls
+    async def record_call(self, record: CallRecord) -> CallRecord:
+        """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
+
+        Returns once Redis has acknowledged the write, so the caller may answer the agent.
+        """
+        seq_key = self.key("seq", record.rollout_id, record.attempt_id)
+        record.seq = int(await self.r.incr(seq_key)) - 1
+        await self.r.xadd(self.key("calls", record.rollout_id), {"d": record.model_dump_json()})
+        return record
+
+    async def count_calls(self, rollout_id: str, attempt_id: str) -> int:
+        raw = await self.r.get(self.key("seq", rollout_id, attempt_id))
+        return int(raw) if raw else 0
+
+    async def read_calls(self, rollout_id: str, attempt_id: str | None = None) -> list[CallRecord]:
+        """Every recorded call of a rollout (optionally one attempt), ordered by ``seq``."""
+        entries = await self.r.xrange(self.key("calls", rollout_id))
+        calls = [CallRecord.model_validate_json(fields[b"d"]) for _, fields in entries]
+        if attempt_id is not None:
+            calls = [c for c in calls if c.attempt_id == attempt_id]
+        return sorted(calls, key=lambda c: (int(c.attempt_id), c.seq))
+
+    async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
+        body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
+        entry_id = await self.r.xadd(self.key("events", rollout_id), {"d": body})
+        return entry_id.decode()
+
+    async def read_events(self, rollout_id: str) -> list[dict[str, Any]]:
+        entries = await self.r.xrange(self.key("events", rollout_id))
+        return [orjson.loads(fields[b"d"]) for _, fields in entries]
+
+    # ---------------------------------------------------------------- policy & control
+    async def get_policy(self) -> Policy | None:
+        raw = await self.r.get(self.key("policy"))
+        return Policy.model_validate_json(raw) if raw else None
+
+    async def set_policy(self, policy: Policy) -> None:
+        await self.r.set(self.key("policy"), policy.model_dump_json())
+
+    async def publish_control(self, command: ControlCommand) -> None:
+        """Persist ``command`` as the last one, then broadcast it to every gateway replica."""
+        body = command.model_dump_json()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.key("control:last"), body)
+        if command.cmd == "resume" and command.model is not None:
+            pipe.set(
+                self.key("policy"),
+                Policy(model=command.model, version=command.version or 0).model_dump_json(),
+            )
+        pipe.publish(self.key("control"), body)
+        await pipe.execute()
+
+    async def last_control(self) -> ControlCommand | None:
+        raw = await self.r.get(self.key("control:last"))
+        return ControlCommand.model_validate_json(raw) if raw else None
+
+    async def heartbeat(self, status: ReplicaStatus) -> None:
+        status.updated_at = time.time()
+        await self.r.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_TTL_S)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        """Live gateway replicas (those whose heartbeat has not expired)."""
+        keys = [k async for k in self.r.scan_iter(match=self.key("replica", "*"), count=100)]
+        if not keys:
+            return []
+        raws = await self.r.mget(keys)
+        return [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]

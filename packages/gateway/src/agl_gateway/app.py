@@ -1,0 +1,162 @@
+"""The gateway app factory: wiring, the control-channel listener and the replica heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
+from agl_common.store import Store
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .errors import install_handlers
+from .gate import PauseGate
+from .proxy import GatewayState
+from .routes import openai, ops, rollouts
+from .settings import GatewaySettings
+
+log = logging.getLogger("agl.gateway")
+
+ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}"
+
+
+class Metrics:
+    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("agl_gateway_requests", "Requests by route and status", ["route", "status"],
+                                registry=r)
+        self.in_flight = Gauge("agl_gateway_in_flight", "Model calls in flight upstream", registry=r)
+        self.held = Gauge("agl_gateway_held", "Model calls held by a pause", registry=r)
+        self.upstream_seconds = Histogram("agl_gateway_upstream_seconds", "Upstream latency (s)", ["route"],
+                                          registry=r)
+        self.record_seconds = Histogram("agl_gateway_record_seconds", "Redis record-write latency (s)",
+                                        registry=r, buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, 1))
+        self.tokens = Counter("agl_gateway_tokens", "Tokens in (prompt) and out (response)", ["direction"],
+                              registry=r)
+        self.pause_seconds = Histogram("agl_gateway_pause_seconds", "Time from pause to resume (s)", registry=r)
+        self.drain_seconds = Histogram("agl_gateway_drain_seconds", "Time from pause to drained (s)",
+                                       registry=r)
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """Build the gateway. Redis and the engine are contacted on start-up (lifespan), not here."""
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        store = Store(settings.redis_url, settings.prefix)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
+                                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        metrics = Metrics()
+        wake = asyncio.Event()
+        gate = PauseGate(settings.max_hold, on_change=wake.set)
+        st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics)
+        app.state.agl = st
+        if settings.model is None:
+            with contextlib.suppress(Exception):
+                resp = await http.get(settings.upstream_v1 + "/models", timeout=5.0)
+                st.policy = Policy(model=resp.json()["data"][0]["id"])
+        tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake))]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await store.r.delete(store.key("replica", settings.replica_id))
+            await http.aclose()
+            await store.close()
+
+    app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_handlers(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        with contextlib.suppress(AttributeError):
+            request.app.state.agl.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    app.include_router(openai.router, prefix="/v1")
+    app.include_router(openai.router, prefix=ROLLOUT_PREFIX + "/v1")
+    app.include_router(rollouts.router)
+    app.include_router(ops.router)
+    return app
+
+
+def apply_command(st: GatewayState, cmd: ControlCommand) -> None:
+    """Apply one control command to this replica (idempotent: a repeated command changes nothing)."""
+    if cmd.cmd == "pause":
+        if st.gate.pause_id != cmd.id:
+            st.gate.pause(cmd.id)
+    else:
+        if cmd.model:
+            st.policy = Policy(model=cmd.model, version=cmd.version or 0)
+        if st.gate.paused:
+            if st.gate.paused_at is not None:
+                st.metrics.pause_seconds.observe(time.monotonic() - st.gate.paused_at)
+            st.gate.resume()
+
+
+async def _sync_from_store(st: GatewayState) -> None:
+    """Converge on the stored policy and last command (for replicas that start late or missed a message)."""
+    policy = await st.store.get_policy()
+    if policy is not None:
+        st.policy = policy
+    last = await st.store.last_control()
+    if last is not None:
+        apply_command(st, last)
+
+
+async def _control_loop(st: GatewayState) -> None:
+    """Listen on the control channel; on (re)connect, re-read the stored state first."""
+    while True:
+        try:
+            pubsub = st.store.r.pubsub()
+            await pubsub.subscribe(st.store.key("control"))
+            await _sync_from_store(st)
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                try:
+                    apply_command(st, ControlCommand.model_validate_json(message["data"]))
+                except ValueError:
+                    log.warning("ignored malformed control message %r", message["data"][:200])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis down: retry, keep serving with the last known state
+            log.warning("control channel lost (%s); reconnecting", exc)
+            await asyncio.sleep(0.5)
+
+
+async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
+    """Publish this replica's status every ``heartbeat_s`` seconds, and at once on a gate change."""
+    while True:
+        gate = st.gate
+        status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
+                               held=gate.held, drained_id=gate.drained_id, model=st.policy.model,
+                               version=st.policy.version)
+        try:
+            await st.store.heartbeat(status)
+            if gate.last_drain_s is not None:
+                st.metrics.drain_seconds.observe(gate.last_drain_s)
+                gate.last_drain_s = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("heartbeat failed: %s", exc)
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=st.settings.heartbeat_s)

@@ -1,0 +1,46 @@
+"""``agl-gateway serve``: every option also read from ``AGL_*`` environment variables (CONTRACT §4)."""
+
+from __future__ import annotations
+
+import typer
+
+from .settings import GatewaySettings
+
+app = typer.Typer(add_completion=False, help="AGL gateway: an OpenAI-compatible proxy that records every call.")
+_D = GatewaySettings.model_fields
+
+
+@app.callback()
+def _main() -> None:
+    """AGL gateway."""
+
+
+@app.command()
+def serve(
+    upstream: str = typer.Option(_D["upstream"].default, envvar="AGL_UPSTREAM",
+                                 help="engine base URL (OpenAI-compatible, e.g. vLLM), /v1 optional"),
+    model: str = typer.Option(None, envvar="AGL_MODEL", help="public model name (default: the engine's first)"),
+    redis: str = typer.Option(_D["redis_url"].default, envvar="AGL_REDIS_URL", help="Redis URL"),
+    prefix: str = typer.Option(_D["prefix"].default, envvar="AGL_PREFIX", help="Redis key prefix"),
+    host: str = typer.Option(_D["host"].default, envvar="AGL_HOST"),
+    port: int = typer.Option(_D["port"].default, envvar="AGL_PORT"),
+    key: str = typer.Option(None, envvar="AGL_KEY", help="admin key; enables auth and rollout-scoped keys"),
+    open_: bool = typer.Option(False, "--open", envvar="AGL_OPEN", help="create rollouts on first use"),
+    max_hold: float = typer.Option(_D["max_hold"].default, envvar="AGL_MAX_HOLD",
+                                   help="seconds a call may be held by a pause before 503"),
+    max_body_bytes: int = typer.Option(_D["max_body_bytes"].default, envvar="AGL_MAX_BODY_BYTES"),
+    log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL"),
+) -> None:
+    """Serve the gateway (uvicorn, one process)."""
+    import uvicorn
+
+    from .app import create_app
+
+    settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
+                               port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False,
+                h11_max_incomplete_event_size=64 * 1024)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,69 @@
+"""Errors the gateway answers with, in the OpenAI shape (or Anthropic's on ``/messages`` routes).
+
+Each error maps to what the caller can do: fix the request (400/413), fix the key (401), stop using
+this rollout (404) or attempt (409), retry later (502/503/504).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ApiError(Exception):
+    """An error answered to the agent as JSON with ``status``; ``headers`` are added (e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.headers = headers or {}
+
+
+def bad_request(message: str, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code)
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+                    502: "api_error", 503: "overloaded_error", 504: "api_error"}
+
+
+def error_body(request: Request, status: int, message: str, type_: str, code: str | None) -> dict:
+    """OpenAI ``{"error": {...}}`` or, for Anthropic routes, ``{"type": "error", "error": {...}}``."""
+    if request.url.path.endswith(("/messages", "/messages/count_tokens")):
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                           "message": message}}
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def install_handlers(app) -> None:
+    """Register handlers so that no error leaves the gateway as HTML or an unshaped body."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(error_body(request, exc.status, exc.message, exc.type, exc.code),
+                            status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5])
+        return JSONResponse(error_body(request, 400, msg or "invalid request", "invalid_request_error",
+                                       "invalid_request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(error_body(request, exc.status_code, str(exc.detail), "invalid_request_error",
+                                       code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return JSONResponse(error_body(request, 500, f"internal error: {type(exc).__name__}", "server_error",
+                                       "internal_error"), status_code=500)

