@@ -1,0 +1,1 @@
+"""AGL trainer: rollouts → rows → GRPO → policy updates, collocated with the engine."""

