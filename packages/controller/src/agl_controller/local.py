@@ -133,6 +133,10 @@ class LocalRunner:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             while not stop.is_set():
+                if self._sem.locked():  # all slots busy: wait for one, but keep watching ``stop``
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), timeout=0.2)
+                    continue
                 await self._sem.acquire()
                 try:
                     rid = await self.store.pop_queued(timeout_s=0.5)
@@ -182,6 +186,7 @@ class LocalRunner:
             return rollout
         rollout = await self.store.set_status(rollout_id, RolloutStatus.running)
         env = {**os.environ, **self.extra_env, **harness_env(self.gateway_url, rollout, self.model, self.key)}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{rollout_id}.{rollout.attempt_id}.log"
         failure: str | None = None
         with open(log_path, "wb") as logf:

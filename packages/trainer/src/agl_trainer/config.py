@@ -27,10 +27,10 @@ class TrainConfig(BaseModel):
     heldout_fn: str = "heldout_problems"
     reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
     # sizes
-    steps: int = 6
+    steps: int = 5
     groups_per_step: int = 4
     group_size: int = 8
-    eval_size: int = 48
+    eval_size: int = 40
     concurrency: int = 8
     rollout_timeout_s: float = 180.0
     # algorithm
@@ -43,7 +43,7 @@ class TrainConfig(BaseModel):
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float | None = 3.0
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
     seed: int = 0
     # services (None: start one)
     model_name: str = Field("smollm2", description="served name of the base model in the engine")

@@ -23,10 +23,13 @@ class EngineError(RuntimeError):
 
 
 async def load_adapter(engine_url: str, name: str, path: Path) -> None:
-    """``POST {engine}/v1/load_lora_adapter``; raises :class:`EngineError` unless it answers 200."""
+    """``POST {engine}/v1/load_lora_adapter`` (in place: a name loaded before is replaced).
+
+    Raises :class:`EngineError` unless the engine answers 200.
+    """
     async with httpx.AsyncClient(timeout=300) as http:
         resp = await http.post(engine_url.rstrip("/") + "/v1/load_lora_adapter",
-                               json={"lora_name": name, "lora_path": str(path)})
+                               json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
     if resp.status_code != 200:
         raise EngineError(f"loading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
 

@@ -25,11 +25,13 @@ class CpuBackend:
         lora_rank, lora_alpha: LoRA size (rank must not exceed the engine's ``--max-lora-rank``).
         lr: AdamW learning rate.
         micro_batch_tokens: most (padded) tokens per forward pass.
+        bf16: run forward and backward under CPU bf16 autocast (LoRA weights and optimizer stay fp32);
+            about as fast as the engine's own bf16 and closer to its logprobs.
     """
 
     def __init__(self, base_dir: Path, out_dir: Path, lora_rank: int = 8, lora_alpha: int = 16, lr: float = 1e-4,
-                 micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
-                 clip_c: float | None = 3.0, seed: int = 0):
+                 micro_batch_tokens: int = 1024, clip_low: float = 0.2, clip_high: float = 0.2,
+                 clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -45,6 +47,7 @@ class CpuBackend:
         self.micro_batch_tokens = micro_batch_tokens
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
         self.pad_id = 0
+        self.bf16 = bf16
 
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, order: list[int], rows: list[Row]) -> list[list[int]]:
@@ -70,8 +73,10 @@ class CpuBackend:
             full = r.full_ids()
             ids[b, : len(full)] = torch.tensor(full)
             attn[b, : len(full)] = 1
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        token_lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        # log p(token) = logit[token] - logsumexp(logits): no (b, L, vocab) log-softmax copy is kept.
+        token_lp = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         T = max(len(r.response_ids) for r in rows)
         out = torch.zeros((len(rows), T))
         mask = torch.zeros((len(rows), T))
@@ -128,7 +133,7 @@ class CpuBackend:
             adv = torch.tensor([row_advantages[i] for i in mb], dtype=torch.float32)
             loss, st = ppo_loss(lp, old, adv, weights_all[mb, :Tm], **self.clip)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
             clip_fracs.append(st["clip_frac"])
             ratios.append(st["ratio_mean"])
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)

