@@ -62,7 +62,7 @@ def chat(url: str, **extra) -> dict:
 
 
 async def test_full_path_and_one_training_step(stack, store, base_model, tmp_path, monkeypatch):
-    from agl_trainer.aggregate import build_rows
+    from agl_trainer.aggregate import AggregateStats, build_rows
     from agl_trainer.backends.cpu import CpuBackend
     from agl_trainer.config import TrainConfig
     from agl_trainer.cycle import collocated_update
@@ -92,9 +92,18 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     assert all(r.reward in (0.0, 1.0) for r in rollouts)
     calls = [await store.read_calls(r.rollout_id) for r in rollouts]
     assert all(len(c) == 2 for c in calls)
+    merged = 0
     for c in calls:
-        (row,) = build_rows(c)  # the self-check turn extends the first turn exactly
-        assert row.n_calls == 2 and 0 in row.response_mask
+        stats = AggregateStats()
+        rows = build_rows(c, stats=stats)
+        # the self-check turn extends the first turn exactly, unless the sampled ids were a non-canonical
+        # tokenization of their text (the template re-tokenizes it): then a counted break, never a silent merge
+        assert len(rows) == 1 + stats.merge_breaks and sum(r.n_calls for r in rows) == 2
+        if len(rows) == 1:
+            merged += 1
+            assert 0 in rows[0].response_mask and rows[0].response_mask[0] == 1
+            assert rows[0].full_ids() == c[1].prompt_token_ids + c[1].response_token_ids
+    assert merged >= 1
 
     # 3. the trainer's own recomputation matches the recorded logprobs (bf16 engine vs fp32 trainer)
     backend = CpuBackend(base_model, tmp_path / "adapters", lr=5e-3)
