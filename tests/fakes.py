@@ -8,7 +8,9 @@ import threading
 import time
 
 import uvicorn
+import orjson
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 
 def free_port() -> int:
@@ -60,6 +62,10 @@ def fake_upstream() -> FastAPI:
             return {"garbage": True} if body["x_fail"] == "garbage" else None
         prompt = [1] + [len(str(m.get("content", ""))) for m in body.get("messages", [])]
         ids = [7, 8, 9, 2]
+        if body.get("stream"):
+            return StreamingResponse(_stream(body, prompt, ids), media_type="text/event-stream")
+        if body.get("tools") and body.get("x_tool"):
+            return _tool_answer(body, prompt)
         return {
             "id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
             "prompt_token_ids": prompt,
@@ -69,6 +75,11 @@ def fake_upstream() -> FastAPI:
                                                   for k, t in enumerate(ids)]} if body.get("logprobs") else None}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + 4},
         }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.json()
+        return {"count": 10 * len(body.get("messages", [])) + len(body.get("tools", [])), "tokens": []}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -80,3 +91,38 @@ def fake_upstream() -> FastAPI:
                              "logprobs": {"tokens": ["5", "2"], "token_logprobs": [-0.5, -0.25]}}]}
 
     return app
+
+
+PIECES = ["the ", "answer ", "is 7", ""]
+
+
+async def _stream(body, prompt, ids):
+    base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
+    yield b"data: " + orjson.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}],
+                                    "prompt_token_ids": prompt}) + b"\n\n"
+    n = len(ids) - int(bool(body.get("x_drop_ids")))
+    for k, (piece, tid) in enumerate(zip(PIECES, ids)):
+        yield b"data: " + orjson.dumps({**base, "choices": [{
+            "index": 0, "delta": {"content": piece},
+            "logprobs": {"content": [{"token": piece, "logprob": -0.1 * (k + 1)}]} if k < n else None,
+            "finish_reason": "stop" if k == len(ids) - 1 else None,
+            "token_ids": [tid] if k < n else []}]}) + b"\n\n"
+        if body.get("x_delay"):
+            await asyncio.sleep(float(body["x_delay"]))
+    yield b"data: " + orjson.dumps({**base, "choices": [], "usage": {"prompt_tokens": len(prompt),
+                                                                    "completion_tokens": len(ids),
+                                                                    "total_tokens": len(prompt) + len(ids)}}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _tool_answer(body, prompt):
+    name = body["tools"][0]["function"]["name"]
+    return {"id": "chatcmpl-tool", "object": "chat.completion", "created": 1, "model": body.get("model"),
+            "prompt_token_ids": prompt,
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "token_ids": [11, 12, 2],
+                         "logprobs": {"content": [{"token": "x", "logprob": -1.0}] * 3},
+                         "message": {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "call_1", "type": "function",
+                              "function": {"name": name, "arguments": "{\"a\": 3, \"b\": 4}"}}]}}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}}

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from .errors import install_handlers
 from .gate import PauseGate
 from .proxy import GatewayState
-from .routes import openai, ops, rollouts
+from . import translate
+from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
 
 log = logging.getLogger("agl.gateway")
@@ -64,7 +65,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             with contextlib.suppress(Exception):
                 resp = await http.get(settings.upstream_v1 + "/models", timeout=5.0)
                 st.policy = Policy(model=resp.json()["data"][0]["id"])
-        tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake))]
+        tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
+                 asyncio.create_task(asyncio.to_thread(translate.warm))]
         try:
             yield
         finally:
@@ -89,8 +91,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             request.app.state.agl.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
-    app.include_router(openai.router, prefix="/v1")
-    app.include_router(openai.router, prefix=ROLLOUT_PREFIX + "/v1")
+    for family in (openai.router, anthropic.router, responses.router):
+        app.include_router(family, prefix="/v1")
+        app.include_router(family, prefix=ROLLOUT_PREFIX + "/v1")
     app.include_router(rollouts.router)
     app.include_router(ops.router)
     return app

@@ -56,9 +56,11 @@ class PauseGate:
         self._open.set()
         self._on_change()
 
-    @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Wait while paused (re-checking after every wake-up), then count the call as in flight."""
+    async def enter(self) -> None:
+        """Wait while paused (re-checking after every wake-up), then count the call as in flight.
+
+        Raises :class:`HeldTooLong` after ``max_hold_s`` seconds of waiting. Pair with :meth:`leave`.
+        """
         if self.paused:
             self.held += 1
             deadline = time.monotonic() + self.max_hold_s
@@ -74,11 +76,20 @@ class PauseGate:
             finally:
                 self.held -= 1
         self.in_flight += 1
+
+    def leave(self) -> None:
+        """The call is over (answered, failed or its stream closed); acknowledge a pending drain."""
+        self.in_flight -= 1
+        if self.paused and self.in_flight == 0 and self.drained_id != self.pause_id:
+            self.drained_id = self.pause_id
+            self.last_drain_s = time.monotonic() - (self.paused_at or time.monotonic())
+            self._on_change()
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """``enter`` ... ``leave`` as a context manager."""
+        await self.enter()
         try:
             yield
         finally:
-            self.in_flight -= 1
-            if self.paused and self.in_flight == 0 and self.drained_id != self.pause_id:
-                self.drained_id = self.pause_id
-                self.last_drain_s = time.monotonic() - (self.paused_at or time.monotonic())
-                self._on_change()
+            self.leave()

@@ -8,7 +8,9 @@ answer the agent with the engine's body, minus the fields only the recorder aske
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ from agl_common.auth import key_allows
 from agl_common.schemas import CallRecord, Policy, Rollout, RolloutStatus, TERMINAL
 from agl_common.store import RolloutNotFound, Store
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from redis.exceptions import RedisError
 
 from .errors import ApiError, bad_request
@@ -210,43 +213,212 @@ async def record(st: GatewayState, rec: CallRecord) -> CallRecord:
     return rec
 
 
-async def model_call(request: Request, route: str, path: str, force: dict[str, Any]) -> dict[str, Any]:
-    """The full path of one non-streamed call on an OpenAI-shaped route; returns the agent's answer."""
+@dataclass
+class RouteSpec:
+    """How one model route maps onto the engine's OpenAI routes.
+
+    ``to_upstream`` translates the agent's body into the engine's (None: pass through); ``to_agent``
+    translates the engine's answer back; ``sse`` encodes a complete answer as a stream (used when the
+    agent asked for ``stream: true`` and the call could not be streamed live).
+    """
+
+    route: str
+    path: str
+    force: dict[str, Any]
+    to_upstream: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    to_agent: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    sse: Callable[[dict[str, Any], dict[str, Any]], Iterator[bytes]] | None = None
+    live_stream: bool = False
+
+
+#: Upstream answers that were cut by a weight update: never handed to the agent as a normal answer.
+ABORTED = {"abort"}
+MAX_ABORT_RETRIES = 3
+
+
+def new_record(ident: Identity, spec: RouteSpec, body: dict[str, Any], policy: Policy) -> CallRecord:
+    return CallRecord(rollout_id=ident.rollout_id, attempt_id=ident.attempt_id, seq=-1, route=spec.route,
+                      request=body, response=None, model=policy.model, model_version=policy.version,
+                      started_at=time.time())
+
+
+async def record_failure(st: GatewayState, rec: CallRecord, err: ApiError, t0: float) -> None:
+    rec.status, rec.error = "error", f"{err.status} {err.code}: {err.message}"
+    rec.latency_ms = (time.perf_counter() - t0) * 1000
+    rec.ended_at = time.time()
+    await record(st, rec)
+
+
+async def enter_gate(st: GatewayState) -> None:
+    try:
+        await st.gate.enter()
+    except HeldTooLong:
+        raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
+                       "server_error", "paused", {"Retry-After": "5"}) from None
+
+
+async def model_call(request: Request, spec: RouteSpec) -> Response:
+    """The full path of one call on a model route; returns the agent's answer (JSON or SSE)."""
     st = state_of(request)
     body = await read_json(request, st.settings.max_body_bytes)
-    if body.get("stream"):
-        raise bad_request("stream=true is not supported on this route yet", "stream_unsupported")
     ident = await resolve_identity(request, st)
     check_callable(ident)
-    try:
-        async with st.gate.admit():
+    upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
+    if not isinstance(upstream.get("messages", []), list):
+        raise bad_request("'messages' must be a list")
+    stream = bool(body.get("stream"))
+    if stream and not (spec.sse or spec.live_stream):
+        raise bad_request(f"stream=true is not supported on the {spec.route} route", "stream_unsupported")
+    for field in ("stream", "stream_options"):
+        upstream.pop(field, None)
+    upstream.update(spec.force)
+    if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
+        await enter_gate(st)
+        return StreamingResponse(stream_chat(st, ident, spec, body, upstream), media_type="text/event-stream")
+    for _ in range(MAX_ABORT_RETRIES):
+        await enter_gate(st)
+        try:
             policy = st.policy
-            upstream_body = {**body, **force, "model": policy.model}
-            started = time.time()
+            rec = new_record(ident, spec, body, policy)
             t0 = time.perf_counter()
-            rec = CallRecord(rollout_id=ident.rollout_id, attempt_id=ident.attempt_id, seq=-1, route=route,
-                             request=body, response=None, model=policy.model, model_version=policy.version,
-                             started_at=started)
             try:
-                data = await forward_json(st, path, upstream_body)
+                data = await forward_json(st, spec.path, {**upstream, "model": policy.model})
             except ApiError as err:
-                rec.status, rec.error = "error", f"{err.status} {err.code}: {err.message}"
-                rec.latency_ms = (time.perf_counter() - t0) * 1000
-                rec.ended_at = time.time()
-                await record(st, rec)
+                await record_failure(st, rec, err, t0)
                 raise
-            prompt_ids, response_ids, logprobs, finish = extract_tokens(route, data)
-            answer = agent_view(route, data, body)
+            prompt_ids, response_ids, logprobs, finish = extract_tokens(spec.route, data)
+            if finish in ABORTED:  # cut by a weight update: record, then retry once the gate reopens
+                await record_failure(st, rec, ApiError(503, "upstream aborted the request", "server_error",
+                                                       "upstream_aborted"), t0)
+                continue
+            answer = agent_view(spec.route, data, body)
+            if spec.to_agent:
+                answer = spec.to_agent(answer, body)
             rec.response = answer
             rec.prompt_token_ids, rec.response_token_ids, rec.response_logprobs = prompt_ids, response_ids, logprobs
             rec.finish_reason = finish
             rec.latency_ms = (time.perf_counter() - t0) * 1000
             rec.ended_at = time.time()
             await record(st, rec)
-            st.metrics.upstream_seconds.labels(route).observe(rec.latency_ms / 1000)
-            st.metrics.tokens.labels("in").inc(len(prompt_ids))
-            st.metrics.tokens.labels("out").inc(len(response_ids))
-            return answer
-    except HeldTooLong:
-        raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
-                       "server_error", "paused", {"Retry-After": "5"}) from None
+            observe(st, rec)
+        finally:
+            st.gate.leave()
+        if stream and spec.sse:
+            return StreamingResponse(spec.sse(answer, body), media_type="text/event-stream")
+        return Response(orjson.dumps(answer), media_type="application/json")
+    raise ApiError(503, f"upstream aborted the request {MAX_ABORT_RETRIES} times", "server_error",
+                   "upstream_aborted", {"Retry-After": "5"})
+
+
+def observe(st: GatewayState, rec: CallRecord) -> None:
+    st.metrics.upstream_seconds.labels(rec.route).observe(rec.latency_ms / 1000)
+    st.metrics.tokens.labels("in").inc(len(rec.prompt_token_ids))
+    st.metrics.tokens.labels("out").inc(len(rec.response_token_ids))
+
+
+def _sse_error(err: ApiError) -> bytes:
+    return b"data: " + orjson.dumps({"error": {"message": err.message, "type": err.type, "code": err.code}}) + b"\n\n"
+
+
+async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
+                      upstream: dict[str, Any]) -> AsyncIterator[bytes]:
+    """Relay a live chat stream, capturing prompt ids (first chunk), per-chunk ids and logprobs.
+
+    The record is written before ``[DONE]`` is sent; if the engine's ids do not add up to
+    ``usage.completion_tokens`` the record is kept with ``status: "error"`` (no training row). The gate
+    slot taken by the caller is released when the stream ends, however it ends.
+    """
+    policy = st.policy
+    rec = new_record(ident, spec, body, policy)
+    t0 = time.perf_counter()
+    wants_logprobs = bool(body.get("logprobs"))
+    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    prompt_ids: list[int] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    text: list[str] = []
+    tool_calls: dict[int, dict[str, Any]] = {}
+    finish = usage = first = None
+    try:
+        payload = {**upstream, "model": policy.model, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with st.http.stream("POST", st.settings.upstream_v1 + spec.path, content=orjson.dumps(payload),
+                                      headers={"content-type": "application/json"}) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise ApiError(502 if resp.status_code >= 500 else resp.status_code,
+                                   f"upstream refused the request ({resp.status_code})", "server_error",
+                                   "upstream_error")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = orjson.loads(data)
+                    first = first or chunk
+                    prompt_ids = chunk.pop("prompt_token_ids", None) or prompt_ids
+                    for field in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
+                        chunk.pop(field, None)
+                    for ch in chunk.get("choices") or []:
+                        if ch.get("index", 0) == 0:
+                            ids += ch.get("token_ids") or []
+                            lp = ch.get("logprobs") or {}
+                            lps += [float(t.get("logprob", 0.0)) for t in lp.get("content") or []]
+                            delta = ch.get("delta") or {}
+                            text.append(delta.get("content") or "")
+                            for tc in delta.get("tool_calls") or []:
+                                acc = tool_calls.setdefault(tc.get("index", 0), {"id": None, "type": "function",
+                                                                                  "function": {"name": "", "arguments": ""}})
+                                acc["id"] = tc.get("id") or acc["id"]
+                                fn = tc.get("function") or {}
+                                acc["function"]["name"] += fn.get("name") or ""
+                                acc["function"]["arguments"] += fn.get("arguments") or ""
+                            finish = ch.get("finish_reason") or finish
+                        ch.pop("token_ids", None)
+                        if not wants_logprobs:
+                            ch["logprobs"] = None
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                        if not wants_usage:
+                            continue
+                    if "model" in body:
+                        chunk["model"] = body["model"]
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        except httpx.TimeoutException:
+            raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(502, f"upstream stream failed: {type(exc).__name__}", "server_error",
+                           "upstream_unreachable") from None
+        except orjson.JSONDecodeError:
+            raise ApiError(502, "upstream sent a malformed stream", "server_error", "upstream_error") from None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if tool_calls:
+            message["tool_calls"] = [tool_calls[k] for k in sorted(tool_calls)]
+        rec.response = {"id": (first or {}).get("id"), "object": "chat.completion",
+                        "created": (first or {}).get("created"), "model": body.get("model", policy.model),
+                        "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+        rec.prompt_token_ids, rec.response_token_ids = prompt_ids, ids
+        rec.response_logprobs = lps if len(lps) == len(ids) else None
+        rec.finish_reason = finish
+        rec.latency_ms = (time.perf_counter() - t0) * 1000
+        rec.ended_at = time.time()
+        if usage and usage.get("completion_tokens") != len(ids):
+            rec.status = "error"
+            rec.error = f"stream token ids incomplete: {len(ids)} of {usage.get('completion_tokens')}"
+        if finish in ABORTED:
+            rec.status, rec.error = "error", "upstream aborted the request"
+            await record(st, rec)
+            yield _sse_error(ApiError(503, "upstream aborted the request (weight update); retry", "server_error",
+                                      "upstream_aborted"))
+            return
+        await record(st, rec)
+        observe(st, rec)
+        yield b"data: [DONE]\n\n"
+    except ApiError as err:
+        if rec.ended_at == 0.0:
+            with contextlib.suppress(ApiError):
+                await record_failure(st, rec, err, t0)
+        yield _sse_error(err)
+    finally:
+        st.gate.leave()

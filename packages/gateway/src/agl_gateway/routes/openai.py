@@ -3,30 +3,28 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-import orjson
-from fastapi.responses import Response
 
-from ..proxy import model_call, state_of
+from ..proxy import RouteSpec, model_call, state_of
+from ..translate import chat_sse
 
 router = APIRouter()
 
-
-def _json(body: dict) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
 #: Fields the gateway forces on upstream so that every call can be trained on.
-CHAT_FORCE = {"return_token_ids": True, "logprobs": True}
-COMPLETIONS_FORCE = {"return_token_ids": True, "logprobs": 0}
+CHAT = RouteSpec("chat", "/chat/completions", {"return_token_ids": True, "logprobs": True}, sse=chat_sse,
+                 live_stream=True)
+COMPLETIONS = RouteSpec("completions", "/completions", {"return_token_ids": True, "logprobs": 0})
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
-    return _json(await model_call(request, "chat", "/chat/completions", CHAT_FORCE))
+    """Chat Completions; ``stream: true`` is relayed live (with tools: synthesized from one upstream call)."""
+    return await model_call(request, CHAT)
 
 
 @router.post("/completions")
 async def completions(request: Request):
-    return _json(await model_call(request, "completions", "/completions", COMPLETIONS_FORCE))
+    """Completions (``stream: true`` is refused with 400: not supported on this route)."""
+    return await model_call(request, COMPLETIONS)
 
 
 @router.get("/models")

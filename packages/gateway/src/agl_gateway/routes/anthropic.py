@@ -1,0 +1,43 @@
+"""Anthropic Messages API (what Claude Code-style harnesses call), translated to chat completions.
+
+``ANTHROPIC_BASE_URL={gateway}/rollouts/{r}/attempts/{a}``: the SDK appends ``/v1/messages``.
+Streams are synthesized from one non-streamed upstream call (so ids and logprobs are complete).
+"""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+from fastapi import APIRouter, Request
+
+from ..errors import ApiError
+from ..proxy import RouteSpec, model_call, read_json, resolve_identity, state_of
+from ..translate import anthropic_sse, anthropic_to_chat, chat_to_anthropic
+
+router = APIRouter()
+
+MESSAGES = RouteSpec("messages", "/chat/completions", {"return_token_ids": True, "logprobs": True},
+                     to_upstream=anthropic_to_chat, to_agent=chat_to_anthropic, sse=anthropic_sse)
+
+
+@router.post("/messages")
+async def messages(request: Request):
+    return await model_call(request, MESSAGES)
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(request: Request):
+    """``{"input_tokens": N}`` from the engine's own tokenizer and chat template (vLLM ``/tokenize``)."""
+    st = state_of(request)
+    body = await read_json(request, st.settings.max_body_bytes)
+    await resolve_identity(request, st)
+    chat = anthropic_to_chat({"max_tokens": 1, **body})
+    url = st.settings.upstream_v1.removesuffix("/v1") + "/tokenize"
+    try:
+        resp = await st.http.post(url, content=orjson.dumps({"model": st.policy.model, "messages": chat["messages"],
+                                                             **({"tools": chat["tools"]} if chat.get("tools") else {})}),
+                                  headers={"content-type": "application/json"})
+        count = resp.json()["count"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error") from None
+    return {"input_tokens": count}

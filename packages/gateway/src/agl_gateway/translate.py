@@ -1,0 +1,175 @@
+"""Anthropic Messages and OpenAI Responses ⇄ Chat Completions, through LiteLLM's own adapters.
+
+The gateway forwards every translated call to the engine's chat route itself (so token ids and logprobs
+are kept: LiteLLM's SDK paths drop them), and uses LiteLLM only for the request and response shapes.
+LiteLLM takes ~4 s to import: it is loaded on first use (``warm()`` loads it in the background).
+
+Also here: the server-sent-event encodings of a *complete* answer, used when a stream is synthesized
+from a non-streamed upstream call (Anthropic and Responses streams, chat streams with tools).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import orjson
+
+from .errors import bad_request
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+
+@cache
+def _litellm():
+    import litellm
+    from litellm.llms.anthropic.messages.adapters.transformation import AnthropicAdapter
+    from litellm.responses.litellm_completion_transformation.transformation import (
+        LiteLLMCompletionResponsesConfig,
+    )
+
+    litellm.suppress_debug_info = True
+    return litellm, AnthropicAdapter(), LiteLLMCompletionResponsesConfig
+
+
+def warm() -> None:
+    """Import LiteLLM now (call from a worker thread at start-up)."""
+    _litellm()
+
+
+def _dump(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return obj
+    return orjson.loads(obj.model_dump_json(by_alias=True, exclude_none=False))
+
+
+# --------------------------------------------------------------------------------------- Anthropic
+def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic Messages request → Chat Completions request. Raises ``ApiError`` 400 if LiteLLM refuses it."""
+    _, adapter, _ = _litellm()
+    try:
+        req = adapter.translate_completion_input_params(
+            {k: v for k, v in body.items() if k not in ("stream",)})
+    except Exception as exc:  # LiteLLM raises ValueError/KeyError/pydantic errors on bad shapes
+        raise bad_request(f"invalid Anthropic Messages request: {exc}") from None
+    if req is None:
+        raise bad_request("invalid Anthropic Messages request")
+    return dict(req)
+
+
+def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """Chat Completions answer → Anthropic message (``model`` as the agent asked)."""
+    litellm, adapter, _ = _litellm()
+    out = _dump(adapter.translate_completion_output_params(litellm.ModelResponse(**answer)))
+    out["model"] = body.get("model", out.get("model"))
+    return out
+
+
+def anthropic_sse(message: dict[str, Any], body: dict[str, Any] | None = None) -> Iterator[bytes]:
+    """The Anthropic streaming events of a complete ``message`` (text and tool_use blocks)."""
+
+    def event(name: str, data: dict) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    usage = message.get("usage") or {}
+    start = {**message, "content": [], "stop_reason": None,
+             "usage": {"input_tokens": usage.get("input_tokens", 0), "output_tokens": 0}}
+    yield event("message_start", {"type": "message_start", "message": start})
+    for i, block in enumerate(message.get("content") or []):
+        if block.get("type") == "tool_use":
+            yield event("content_block_start", {"type": "content_block_start", "index": i,
+                                                "content_block": {**block, "input": {}}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta", "partial_json": orjson.dumps(block.get("input") or {}).decode()}})
+        else:
+            yield event("content_block_start", {"type": "content_block_start", "index": i,
+                                                "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": i,
+                                                "delta": {"type": "text_delta", "text": block.get("text", "")}})
+        yield event("content_block_stop", {"type": "content_block_stop", "index": i})
+    yield event("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": message.get("stop_reason"),
+                                            "stop_sequence": message.get("stop_sequence")},
+                                  "usage": {"output_tokens": usage.get("output_tokens", 0)}})
+    yield event("message_stop", {"type": "message_stop"})
+
+
+# --------------------------------------------------------------------------------------- Responses
+def _responses_params(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+
+
+def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI Responses request → Chat Completions request. Raises ``ApiError`` 400 on a bad request."""
+    _, _, config = _litellm()
+    if "input" not in body:
+        raise bad_request("invalid Responses request: 'input' is required")
+    try:
+        req = config.transform_responses_api_request_to_chat_completion_request(
+            model=str(body.get("model") or "m"), input=body["input"], responses_api_request=_responses_params(body))
+    except Exception as exc:
+        raise bad_request(f"invalid Responses request: {exc}") from None
+    return {k: v for k, v in dict(req).items() if v is not None and not k.startswith("litellm")}
+
+
+def chat_to_responses(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """Chat Completions answer → Responses API response object."""
+    _, _, config = _litellm()
+    out = _dump(config.transform_chat_completion_response_to_responses_api_response(
+        request_input=body.get("input"), responses_api_request=_responses_params(body),
+        chat_completion_response=answer))
+    out["model"] = body.get("model", out.get("model"))
+    return out
+
+
+def responses_sse(response: dict[str, Any], body: dict[str, Any] | None = None) -> Iterator[bytes]:
+    """The Responses streaming events of a complete ``response``."""
+    seq = 0
+
+    def event(name: str, data: dict) -> bytes:
+        nonlocal seq
+        seq += 1
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(
+            {"type": name, "sequence_number": seq, **data}) + b"\n\n"
+
+    yield event("response.created", {"response": {**response, "status": "in_progress", "output": []}})
+    for i, item in enumerate(response.get("output") or []):
+        yield event("response.output_item.added", {"output_index": i, "item": {**item, "content": []}
+                                                   if item.get("type") == "message" else item})
+        if item.get("type") == "message":
+            for j, part in enumerate(item.get("content") or []):
+                yield event("response.content_part.added", {"item_id": item.get("id"), "output_index": i,
+                                                            "content_index": j, "part": {**part, "text": ""}})
+                yield event("response.output_text.delta", {"item_id": item.get("id"), "output_index": i,
+                                                           "content_index": j, "delta": part.get("text", ""),
+                                                           "logprobs": []})
+                yield event("response.output_text.done", {"item_id": item.get("id"), "output_index": i,
+                                                          "content_index": j, "text": part.get("text", ""),
+                                                          "logprobs": []})
+                yield event("response.content_part.done", {"item_id": item.get("id"), "output_index": i,
+                                                           "content_index": j, "part": part})
+        yield event("response.output_item.done", {"output_index": i, "item": item})
+    yield event("response.completed", {"response": response})
+
+
+# --------------------------------------------------------------------------------------- chat
+def chat_sse(answer: dict[str, Any], body: dict[str, Any]) -> Iterator[bytes]:
+    """Chat Completions chunks of a complete ``answer`` (one content/tool-call chunk per choice)."""
+    base = {"id": answer.get("id"), "object": "chat.completion.chunk",
+            "created": answer.get("created", int(time.time())), "model": answer.get("model")}
+    for choice in answer.get("choices") or []:
+        msg = choice.get("message") or {}
+        delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+        yield b"data: " + orjson.dumps({**base, "choices": [{"index": choice.get("index", 0), "delta": delta,
+                                                             "logprobs": choice.get("logprobs"),
+                                                             "finish_reason": None}]}) + b"\n\n"
+        yield b"data: " + orjson.dumps({**base, "choices": [{"index": choice.get("index", 0), "delta": {},
+                                                             "finish_reason": choice.get("finish_reason")}]}) + b"\n\n"
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield b"data: " + orjson.dumps({**base, "choices": [], "usage": answer.get("usage")}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
