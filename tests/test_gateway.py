@@ -224,3 +224,44 @@ async def test_models_and_metrics(store, redis_url, prefix, upstream):
         text = httpx.get(f"{gw.url}/metrics").text
     assert 'agl_gateway_requests_total{route="/rollouts/{rollout_id}/attempts/{attempt_id}/v1/chat/completions",status="200"} 1.0' in text
     assert "agl_gateway_tokens_total" in text
+
+
+async def test_rollouts_pinned_to_one_engine_and_failover(store, redis_url, prefix):
+    apps = [fake_upstream(), fake_upstream()]
+    with Served(apps[0]) as up_a, Served(apps[1]) as up_b:
+        for i in range(12):
+            await make_rollout(store, f"p{i}")
+        with gateway(redis_url, prefix, f"{up_a.url},{up_b.url}/v1") as gw:
+            for _ in range(2):
+                for i in range(12):
+                    r = httpx.post(f"{gw.url}/rollouts/p{i}/attempts/0/v1/chat/completions",
+                                   json={**MSG, "messages": [{"role": "user", "content": f"p{i}"}]})
+                    assert r.status_code == 200
+            served = [{c["messages"][0]["content"] for c in app.state.calls} for app in apps]
+            assert served[0] and served[1] and not served[0] & served[1]  # each rollout stays on one engine
+            assert all(len(app.state.calls) == 2 * len(s) for app, s in zip(apps, served))
+            up_a.__exit__(None, None, None)  # engine A goes away: its rollouts move to B
+            for content in served[0]:
+                r = httpx.post(f"{gw.url}/rollouts/{content}/attempts/0/v1/chat/completions",
+                               json={**MSG, "messages": [{"role": "user", "content": content}]})
+                assert r.status_code == 200
+            assert len(apps[1].state.calls) == 2 * len(served[1]) + len(served[0])
+
+
+async def test_pause_reaches_every_replica(store, redis_url, prefix, upstream):
+    await make_rollout(store)
+    with gateway(redis_url, prefix, upstream.url, replica_id="a") as gw1, \
+            gateway(redis_url, prefix, upstream.url, replica_id="b") as gw2:
+        await asyncio.sleep(0.5)
+        assert len(await store.replicas()) == 2
+        replicas = await pause_and_drain(store, timeout_s=5)
+        assert len(replicas) == 2 and all(r.paused for r in replicas)
+        async with httpx.AsyncClient(timeout=30) as c:
+            held = [asyncio.create_task(c.post(f"{g.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG))
+                    for g in (gw1, gw2)]
+            await asyncio.sleep(0.8)
+            assert not any(t.done() for t in held) and upstream.app.state.calls == []
+            assert sum(r.held for r in await store.replicas()) == 2
+            await resume(store)
+            assert [(await t).status_code for t in held] == [200, 200]
+    assert len(await store.read_calls("r1")) == 2

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .errors import install_handlers
+from .engines import Engines
 from .gate import PauseGate
 from .proxy import GatewayState
 from . import translate
@@ -59,11 +60,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
-        st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics)
+        st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
+                          Engines(settings.upstreams_v1))
         app.state.agl = st
         if settings.model is None:
             with contextlib.suppress(Exception):
-                resp = await http.get(settings.upstream_v1 + "/models", timeout=5.0)
+                resp = await http.get(settings.upstreams_v1[0] + "/models", timeout=5.0)
                 st.policy = Policy(model=resp.json()["data"][0]["id"])
         tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
                  asyncio.create_task(asyncio.to_thread(translate.warm))]

@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from redis.exceptions import RedisError
 
 from .errors import ApiError, bad_request
+from .engines import Engines, NoEngine
 from .gate import HeldTooLong, PauseGate
 from .settings import GatewaySettings
 
@@ -49,6 +50,7 @@ class GatewayState:
     gate: PauseGate
     policy: Policy
     metrics: Any
+    engines: Engines
 
 
 def state_of(request: Request) -> GatewayState:
@@ -128,20 +130,31 @@ def check_callable(ident: Identity) -> None:
                        "rollout_finished")
 
 
-async def forward_json(st: GatewayState, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST ``body`` to the engine at ``{upstream}/v1{path}``; returns the parsed JSON object.
+async def forward_json(st: GatewayState, path: str, body: dict[str, Any], rollout_id: str) -> dict[str, Any]:
+    """POST ``body`` to the rollout's engine at ``{engine}/v1{path}``; returns the parsed JSON object.
 
-    Raises ``ApiError``: 504 on timeout, 502 on a connection failure, a non-JSON answer or a 5xx; the
-    engine's own 4xx status and message are passed on (the agent sent something the engine refuses).
+    A connection failure (nothing was sent) marks the engine down and tries the next healthy one, at
+    most once per engine. Raises ``ApiError``: 504 on timeout, 502 on connection failures everywhere, a
+    non-JSON answer or a 5xx; the engine's own 4xx status and message are passed on.
     """
-    url = st.settings.upstream_v1 + path
-    try:
-        resp = await st.http.post(url, content=orjson.dumps(body), headers={"content-type": "application/json"})
-    except httpx.TimeoutException:
-        raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
-    except httpx.HTTPError as exc:
-        raise ApiError(502, f"upstream engine unreachable: {type(exc).__name__}", "server_error",
-                       "upstream_unreachable") from None
+    tried: set[str] = set()
+    while True:
+        try:
+            base = st.engines.pick(rollout_id, tried)
+        except NoEngine:
+            raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
+        tried.add(base)
+        try:
+            resp = await st.http.post(base + path, content=orjson.dumps(body),
+                                      headers={"content-type": "application/json"})
+            break
+        except httpx.TimeoutException:
+            raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
+        except httpx.ConnectError:
+            st.engines.mark_down(base)
+        except httpx.HTTPError as exc:
+            raise ApiError(502, f"upstream engine failed: {type(exc).__name__}", "server_error",
+                           "upstream_unreachable") from None
     try:
         data = orjson.loads(resp.content)
     except orjson.JSONDecodeError:
@@ -282,7 +295,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             rec = new_record(ident, spec, body, policy)
             t0 = time.perf_counter()
             try:
-                data = await forward_json(st, spec.path, {**upstream, "model": policy.model})
+                data = await forward_json(st, spec.path, {**upstream, "model": policy.model}, ident.rollout_id)
             except ApiError as err:
                 await record_failure(st, rec, err, t0)
                 raise
@@ -342,7 +355,11 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
     try:
         payload = {**upstream, "model": policy.model, "stream": True, "stream_options": {"include_usage": True}}
         try:
-            async with st.http.stream("POST", st.settings.upstream_v1 + spec.path, content=orjson.dumps(payload),
+            try:
+                engine = st.engines.pick(ident.rollout_id)
+            except NoEngine:
+                raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
+            async with st.http.stream("POST", engine + spec.path, content=orjson.dumps(payload),
                                       headers={"content-type": "application/json"}) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
@@ -388,6 +405,8 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
         except httpx.TimeoutException:
             raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError):
+                st.engines.mark_down(engine)
             raise ApiError(502, f"upstream stream failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None
         except orjson.JSONDecodeError:

@@ -28,7 +28,7 @@ class GatewaySettings(CommonSettings):
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
-    def upstream_v1(self) -> str:
-        """The engine's OpenAI base URL, always ending in ``/v1`` (appended if the user left it off)."""
-        url = self.upstream.rstrip("/")
-        return url if url.endswith("/v1") else url + "/v1"
+    def upstreams_v1(self) -> list[str]:
+        """The engines' OpenAI base URLs (``--upstream`` is comma-separated), each ending in ``/v1``."""
+        urls = [u.strip().rstrip("/") for u in self.upstream.split(",") if u.strip()]
+        return [u if u.endswith("/v1") else u + "/v1" for u in urls]

@@ -22,24 +22,31 @@ class EngineError(RuntimeError):
     """The engine refused or failed an adapter load/unload."""
 
 
-async def load_adapter(engine_url: str, name: str, path: Path) -> None:
-    """``POST {engine}/v1/load_lora_adapter`` (in place: a name loaded before is replaced).
+def engine_urls(engine_url: str) -> list[str]:
+    """Engine base URLs (no ``/v1``) from a comma-separated list."""
+    return [u.strip().rstrip("/").removesuffix("/v1") for u in engine_url.split(",") if u.strip()]
 
-    Raises :class:`EngineError` unless the engine answers 200.
+
+async def load_adapter(engine_url: str, name: str, path: Path) -> None:
+    """``POST {engine}/v1/load_lora_adapter`` on every engine (in place: a name loaded before is replaced).
+
+    ``engine_url`` may be comma-separated. Raises :class:`EngineError` unless each engine answers 200.
     """
     async with httpx.AsyncClient(timeout=300) as http:
-        resp = await http.post(engine_url.rstrip("/") + "/v1/load_lora_adapter",
-                               json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
-    if resp.status_code != 200:
-        raise EngineError(f"loading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
+        for url in engine_urls(engine_url):
+            resp = await http.post(url + "/v1/load_lora_adapter",
+                                   json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
+            if resp.status_code != 200:
+                raise EngineError(f"loading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
 
 
 async def unload_adapter(engine_url: str, name: str) -> None:
-    """``POST {engine}/v1/unload_lora_adapter``; an adapter that is already gone is not an error."""
+    """``POST {engine}/v1/unload_lora_adapter`` on every engine; an adapter already gone is not an error."""
     async with httpx.AsyncClient(timeout=60) as http:
-        resp = await http.post(engine_url.rstrip("/") + "/v1/unload_lora_adapter", json={"lora_name": name})
-    if resp.status_code not in (200, 404, 400):
-        raise EngineError(f"unloading adapter {name} failed: {resp.status_code} {resp.text[:300]}")
+        for url in engine_urls(engine_url):
+            resp = await http.post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
+            if resp.status_code not in (200, 404, 400):
+                raise EngineError(f"unloading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
 
 
 async def collocated_update(store: Store, engine_url: str, version: int, update: Callable[[], dict],

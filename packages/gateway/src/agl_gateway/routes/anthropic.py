@@ -10,6 +10,7 @@ import httpx
 import orjson
 from fastapi import APIRouter, Request
 
+from ..engines import NoEngine
 from ..errors import ApiError
 from ..proxy import RouteSpec, model_call, read_json, resolve_identity, state_of
 from ..translate import anthropic_sse, anthropic_to_chat, chat_to_anthropic
@@ -30,14 +31,14 @@ async def count_tokens(request: Request):
     """``{"input_tokens": N}`` from the engine's own tokenizer and chat template (vLLM ``/tokenize``)."""
     st = state_of(request)
     body = await read_json(request, st.settings.max_body_bytes)
-    await resolve_identity(request, st)
+    ident = await resolve_identity(request, st)
     chat = anthropic_to_chat({"max_tokens": 1, **body})
-    url = st.settings.upstream_v1.removesuffix("/v1") + "/tokenize"
     try:
+        url = st.engines.pick(ident.rollout_id).removesuffix("/v1") + "/tokenize"
         resp = await st.http.post(url, content=orjson.dumps({"model": st.policy.model, "messages": chat["messages"],
                                                              **({"tools": chat["tools"]} if chat.get("tools") else {})}),
                                   headers={"content-type": "application/json"})
         count = resp.json()["count"]
-    except (httpx.HTTPError, ValueError, KeyError):
+    except (httpx.HTTPError, ValueError, KeyError, NoEngine):
         raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error") from None
     return {"input_tokens": count}

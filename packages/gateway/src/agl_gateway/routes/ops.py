@@ -26,11 +26,16 @@ async def readyz(request: Request):
         checks["redis"] = await st.store.ping()
     except Exception:
         checks["redis"] = False
-    try:
-        resp = await st.http.get(st.settings.upstream_v1 + "/models", timeout=2.0)
-        checks["upstream"] = resp.status_code == 200
-    except httpx.HTTPError:
-        checks["upstream"] = False
+    checks["upstream"] = False
+    for url in st.engines.urls:  # ready when at least one engine answers
+        try:
+            resp = await st.http.get(url + "/models", timeout=2.0)
+        except httpx.HTTPError:
+            st.engines.mark_down(url)
+            continue
+        if resp.status_code == 200:
+            checks["upstream"] = True
+            break
     ok = all(checks.values())
     body = {"status": "ready" if ok else "not ready", "checks": checks, "paused": st.gate.paused}
     if not ok:
