@@ -1,7 +1,10 @@
 """A scripted harness for controller tests: AGL_INPUT says what to do.
 
 input fields: calls (model calls to make), reward (post it, or omit), exit (exit code), sleep (seconds,
-after spawning a grandchild that sleeps too), env_out (write the environment there as JSON).
+after spawning a grandchild that sleeps too), env_out (write the environment there as JSON), mark (append
+"rollout attempt pid" to that file at start), reward_after_sleep (post the reward after sleeping, not before; status_out: write the answer's status
+code there), kill_self (send this signal to itself after the calls), first_attempt (fields that override
+the others on attempt 0 only).
 """
 
 import json
@@ -13,6 +16,11 @@ import time
 import httpx
 
 task = json.loads(os.environ["AGL_INPUT"])
+if os.environ["AGL_ATTEMPT_ID"] == "0":
+    task.update(task.get("first_attempt", {}))
+if task.get("mark"):
+    with open(task["mark"], "a") as f:
+        f.write(f"{os.environ['AGL_ROLLOUT_ID']} {os.environ['AGL_ATTEMPT_ID']} {os.getpid()}\n")
 if task.get("env_out"):
     with open(task["env_out"], "w") as f:
         json.dump(dict(os.environ), f)
@@ -21,11 +29,20 @@ for _ in range(task.get("calls", 1)):
     r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=headers, timeout=30,
                    json={"model": os.environ["AGL_MODEL"], "messages": [{"role": "user", "content": "hi"}]})
     r.raise_for_status()
-if "reward" in task:
+if task.get("kill_self"):
+    os.kill(os.getpid(), task["kill_self"])
+    time.sleep(10)
+if "reward" in task and not task.get("reward_after_sleep"):
     httpx.post(os.environ["AGL_REWARD_URL"], json={"value": task["reward"]}, headers=headers).raise_for_status()
 if task.get("sleep"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with open(task["pid_out"], "w") as f:
         f.write(str(child.pid))
     time.sleep(task["sleep"])
+if "reward" in task and task.get("reward_after_sleep"):
+    r = httpx.post(os.environ["AGL_REWARD_URL"], json={"value": task["reward"]}, headers=headers)
+    if task.get("status_out"):
+        with open(task["status_out"], "w") as f:
+            f.write(str(r.status_code))
+    r.raise_for_status()
 sys.exit(task.get("exit", 0))

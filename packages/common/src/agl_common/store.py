@@ -228,3 +228,89 @@ class Store:
             return []
         raws = await self.r.mget(keys)
         return [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
+
+    # ---------------------------------------------------------------- controller claims, leases, retries
+    # Two more keys, used by the controller only:
+    #   ``P processing:{cid}`` (list): rollout ids controller ``cid`` claimed and has not finished yet;
+    #   ``P controller:{cid}`` (string): that controller's lease, expiring ``ttl_s`` after its last renewal.
+    # A processing list whose lease has expired belongs to a dead controller; another one adopts it.
+    async def claim_queued(self, controller_id: str, timeout_s: float | None = 1.0) -> str | None:
+        """Atomically move the next queued rollout id into ``P processing:{controller_id}`` and return it.
+
+        ``timeout_s``: block up to that many seconds (BLMOVE); ``None``: do not block (LMOVE).
+        Returns ``None`` when the queue stayed empty. The id stays in the processing list until
+        :meth:`release_claim` or :meth:`requeue_claim`, so a crash never loses it.
+        """
+        src, dst = self.key("queue"), self.key("processing", controller_id)
+        if timeout_s is None:
+            item = await self.r.lmove(src, dst, "RIGHT", "LEFT")
+        else:
+            item = await self.r.blmove(src, dst, timeout_s, "RIGHT", "LEFT")
+        return item.decode() if item else None
+
+    async def release_claim(self, controller_id: str, rollout_id: str) -> None:
+        """Remove the oldest claim of ``rollout_id`` from the controller's processing list (no error if absent)."""
+        await self.r.lrem(self.key("processing", controller_id), -1, rollout_id)
+
+    async def requeue_claim(self, controller_id: str, rollout_id: str) -> None:
+        """In one transaction, remove ``rollout_id`` from the processing list and put it at the queue's head."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.lrem(self.key("processing", controller_id), -1, rollout_id)
+        pipe.rpush(self.key("queue"), rollout_id)
+        await pipe.execute()
+
+    async def claimed(self, controller_id: str) -> list[str]:
+        """Rollout ids in the controller's processing list."""
+        return [i.decode() for i in await self.r.lrange(self.key("processing", controller_id), 0, -1)]
+
+    async def adopt_claim(self, from_controller: str, to_controller: str) -> str | None:
+        """Atomically move one id from ``from_controller``'s processing list to ``to_controller``'s.
+
+        Safe when several controllers adopt the same dead list at once: each id goes to exactly one.
+        Returns ``None`` once the list is empty.
+        """
+        item = await self.r.lmove(self.key("processing", from_controller), self.key("processing", to_controller),
+                                  "RIGHT", "LEFT")
+        return item.decode() if item else None
+
+    async def renew_lease(self, controller_id: str, ttl_s: float) -> None:
+        """(Re)set the controller's lease so that it expires ``ttl_s`` seconds from now."""
+        await self.r.set(self.key("controller", controller_id), str(time.time()), px=max(1, int(ttl_s * 1000)))
+
+    async def drop_lease(self, controller_id: str) -> None:
+        """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""
+        await self.r.delete(self.key("controller", controller_id))
+
+    async def claim_owners(self) -> dict[str, bool]:
+        """Every controller id that has a processing list, mapped to whether its lease is still alive."""
+        head = self.key("processing", "")
+        keys = [k.decode() async for k in self.r.scan_iter(match=head + "*", count=100)]
+        ids = [k[len(head):] for k in keys]
+        if not ids:
+            return {}
+        alive = await self.r.mget([self.key("controller", cid) for cid in ids])
+        return {cid: raw is not None for cid, raw in zip(ids, alive)}
+
+    async def retry_attempt(self, rollout_id: str, attempt_id: str, enqueue: bool = False) -> Rollout:
+        """Start a new attempt: ``running | failed → queuing`` with ``attempt_id + 1``, reward and times cleared.
+
+        The old attempt is fenced from then on (the gateway answers 409 to its calls and rewards).
+        Raises ``ValueError`` if ``attempt_id`` is no longer the current attempt (someone else retried it
+        first) or the rollout is neither running nor failed, and :class:`RolloutNotFound`. ``enqueue``: also push the id onto the queue (a manual retry).
+        """
+
+        def change(r: Rollout) -> None:
+            if r.attempt_id != attempt_id:
+                raise ValueError(f"attempt {attempt_id} of {rollout_id!r} is stale (current: {r.attempt_id})")
+            if r.status not in (RolloutStatus.running, RolloutStatus.failed):
+                raise ValueError(f"rollout {rollout_id!r} is {r.status.value}: only running or failed can be retried")
+            r.status = RolloutStatus.queuing
+            r.attempt_id = str(int(r.attempt_id) + 1)
+            r.reward = r.reward_message = r.failure = None
+            r.started_at = r.ended_at = None
+            r.n_calls = 0
+
+        rollout = await self.update_rollout(rollout_id, change)
+        if enqueue:
+            await self.enqueue(rollout_id)
+        return rollout

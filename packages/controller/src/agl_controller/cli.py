@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+
+from .base import DEFAULT_RETRY_ON
 
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
@@ -19,32 +22,70 @@ def _main() -> None:
 
 @app.command()
 def run(
-    command: str = typer.Option(..., "--command", envvar="AGL_COMMAND", help="harness command line"),
+    command: str = typer.Option(None, "--command", envvar="AGL_COMMAND", help="harness command line (local mode)"),
     mode: str = typer.Option("local", envvar="AGL_MODE", help="local | k8s"),
     gateway: str = typer.Option("http://127.0.0.1:8080", envvar="AGL_GATEWAY_URL", help="gateway base URL"),
     model: str = typer.Option("agl-policy", envvar="AGL_MODEL", help="model name handed to the harness"),
     redis: str = typer.Option(DEFAULT_REDIS_URL, envvar="AGL_REDIS_URL"),
     prefix: str = typer.Option(DEFAULT_PREFIX, envvar="AGL_PREFIX"),
-    concurrency: int = typer.Option(4, envvar="AGL_CONCURRENCY", min=1),
-    timeout: float = typer.Option(300.0, envvar="AGL_TIMEOUT", help="seconds per run"),
+    concurrency: int = typer.Option(4, envvar="AGL_CONCURRENCY", min=1, help="most runs (local) or Jobs (k8s) at once"),
+    timeout: float = typer.Option(300.0, envvar="AGL_TIMEOUT", help="seconds per run (k8s: activeDeadlineSeconds)"),
     key: str = typer.Option(None, envvar="AGL_KEY", help="gateway admin key (to derive scoped keys)"),
     reward_fn: str = typer.Option(None, envvar="AGL_REWARD_FN", help="module:function(input, output) -> float"),
     log_dir: str = typer.Option("runs/logs", envvar="AGL_LOG_DIR"),
+    max_attempts: int = typer.Option(1, envvar="AGL_MAX_ATTEMPTS", min=1, help="attempts per rollout (1: no retry)"),
+    retry_on: str = typer.Option(",".join(DEFAULT_RETRY_ON), envvar="AGL_RETRY_ON",
+                                 help="comma-separated failure reasons that are retried"),
+    controller_id: str = typer.Option(None, envvar="AGL_CONTROLLER_ID",
+                                      help="stable name (e.g. the pod name): a restart adopts its own claims at once"),
+    lease_ttl: float = typer.Option(15.0, envvar="AGL_LEASE_TTL", help="seconds without renewal until presumed dead"),
+    template: str = typer.Option(None, envvar="AGL_JOB_TEMPLATE", help="k8s: Jinja template file of the Job"),
+    namespace: str = typer.Option("default", envvar="AGL_NAMESPACE", help="k8s namespace"),
+    jobs_per_minute: int = typer.Option(60, envvar="AGL_JOBS_PER_MINUTE", min=1, help="k8s: Job creation limit"),
+    ttl_after_finished: int = typer.Option(3600, envvar="AGL_TTL_AFTER_FINISHED",
+                                           help="k8s: ttlSecondsAfterFinished of each Job"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="k8s: print the rendered Job manifests and exit"),
+    inputs: list[str] = typer.Option(None, "--input", help="k8s --dry-run: a rollout input as JSON (repeatable); "
+                                                             "default: the rollouts now queued in Redis"),
 ) -> None:
     """Run queued rollouts until SIGINT/SIGTERM."""
-    if mode != "local":
-        typer.echo(f"mode {mode!r} is not available in this release; use --mode local", err=True)
-        raise typer.Exit(2)
     from agl_common.store import Store
 
-    from .local import LocalRunner
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
+    common = dict(reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry, controller_id=controller_id,
+                  lease_ttl_s=lease_ttl)
+    if mode == "local":
+        if not command:
+            typer.echo("--command is required in local mode", err=True)
+            raise typer.Exit(2)
+    elif mode == "k8s":
+        if not template:
+            typer.echo("--template is required in k8s mode", err=True)
+            raise typer.Exit(2)
+        with open(template) as f:
+            template_text = f.read()
+        if dry_run:
+            raise typer.Exit(_dry_run(template_text, gateway, model, key, namespace, ttl_after_finished, timeout,
+                                      prefix, redis, inputs or []))
+    else:
+        typer.echo(f"unknown mode {mode!r}: use local or k8s", err=True)
+        raise typer.Exit(2)
 
     async def main() -> None:
         store = Store(redis, prefix)
-        runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
-                             reward_fn=reward_fn, log_dir=log_dir)
+        if mode == "local":
+            from .local import LocalRunner
+
+            runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
+                                 log_dir=log_dir, **common)
+        else:
+            from .k8s import K8sRunner, load_api_client
+
+            runner = K8sRunner(store, gateway, template_text, model, namespace=namespace, key=key,
+                               concurrency=concurrency, jobs_per_minute=jobs_per_minute,
+                               ttl_after_finished_s=ttl_after_finished, timeout_s=timeout,
+                               api_client=load_api_client(), **common)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -55,6 +96,42 @@ def run(
             await store.close()
 
     asyncio.run(main())
+
+
+def _dry_run(template_text: str, gateway: str, model: str, key: str | None, namespace: str, ttl: int,
+             timeout: float, prefix: str, redis: str, inputs: list[str]) -> int:
+    """Print the manifests (YAML, ``---``-separated) for ``inputs`` or the queued rollouts; 0 if all valid."""
+    import yaml
+    from agl_common.schemas import Rollout
+
+    from .k8s import JobRenderer
+
+    renderer = JobRenderer(template_text, gateway, model, key=key, namespace=namespace, ttl_after_finished_s=ttl,
+                           timeout_s=timeout, prefix=prefix)
+    if inputs:
+        rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]
+    else:
+        from agl_common.store import Store
+
+        async def queued() -> list[Rollout]:
+            store = Store(redis, prefix)
+            try:
+                ids = [i.decode() for i in await store.r.lrange(store.key("queue"), 0, -1)]
+                return await store.get_rollouts(list(reversed(ids)))
+            finally:
+                await store.close()
+
+        rollouts = asyncio.run(queued())
+    code = 0
+    for rollout in rollouts:
+        try:
+            manifest = renderer.render(rollout)
+        except ValueError as exc:
+            typer.echo(f"# rollout {rollout.rollout_id}: {exc}", err=True)
+            code = 1
+            continue
+        typer.echo("---\n" + yaml.safe_dump(manifest, sort_keys=False), nl=False)
+    return code
 
 
 def main() -> None:

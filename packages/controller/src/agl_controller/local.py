@@ -12,8 +12,11 @@ exit N ≠ 0                             failed      ``exit_code:N``
 killed by signal S (not by us)         failed      ``signal:S`` (``oom_killed`` for SIGKILL)
 ran past the timeout                   failed      ``timeout`` (whole process group killed)
 could not start                        failed      ``spawn_error``
+its controller died while it ran       failed      ``controller_lost``
 =====================================  ==========  =======================
 
+A failure listed in ``retry_on`` starts a new attempt instead, while fewer than ``max_attempts`` have run
+(see :mod:`agl_controller.base`, which also describes claims, leases and crash recovery).
 An infrastructure failure is never turned into a reward of 0: the trainer decides what a failed rollout
 means for its group.
 """
@@ -22,24 +25,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
 import shlex
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from agl_common.auth import scoped_key
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
-from agl_common.store import RolloutNotFound, Store
+from agl_common.schemas import Rollout
+from agl_common.store import Store
+
+from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
 
 log = logging.getLogger("agl.controller")
-
-RewardFn = Callable[[dict[str, Any], str], float]
 
 
 def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None) -> dict[str, str]:
@@ -65,26 +66,6 @@ def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None)
     return env
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``."""
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"reward function must be 'module:function', got {spec!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def final_output(calls: list[CallRecord]) -> str:
-    """Text of the last successful answer of an attempt (chat message content or completion text)."""
-    for call in reversed(calls):
-        if call.status != "ok" or not call.response:
-            continue
-        choices = call.response.get("choices") or []
-        if choices:
-            msg = choices[0].get("message") or {}
-            return msg.get("content") or choices[0].get("text") or ""
-    return ""
-
-
 def _outcome(returncode: int) -> str | None:
     if returncode == 0:
         return None
@@ -94,8 +75,8 @@ def _outcome(returncode: int) -> str | None:
     return f"exit_code:{returncode}"
 
 
-class LocalRunner:
-    """Runs ``command`` once per queued rollout as a local process group.
+class LocalRunner(Runner):
+    """Runs ``command`` once per queued rollout attempt as a local process group.
 
     Args:
         store: the experiment's store.
@@ -107,20 +88,23 @@ class LocalRunner:
         key: the gateway admin key, to derive rollout-scoped keys (None: auth off).
         reward_fn: ``module:function`` used when the run reported no reward itself.
         log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log``.
+        max_attempts, retry_on, controller_id, lease_ttl_s: see :class:`agl_controller.base.Runner`.
     """
 
     def __init__(self, store: Store, gateway_url: str, command: list[str] | str, model: str,
                  concurrency: int = 4, timeout_s: float = 300.0, key: str | None = None,
                  reward_fn: str | None = None, log_dir: Path | str = "runs/logs", cwd: str | None = None,
-                 extra_env: dict[str, str] | None = None):
-        self.store = store
+                 extra_env: dict[str, str] | None = None, max_attempts: int = 1,
+                 retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
+                 lease_ttl_s: float = 15.0):
+        super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
+                         controller_id=controller_id, lease_ttl_s=lease_ttl_s)
         self.gateway_url = gateway_url
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
         self.model = model
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.key = key
-        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None
         self.log_dir = Path(log_dir)
         self.cwd = cwd
         self.extra_env = extra_env or {}
@@ -129,8 +113,16 @@ class LocalRunner:
         self._tasks: set[asyncio.Task] = set()
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        """Take queued rollouts until ``stop`` is set; then kill running groups and mark them failed."""
+        """Take queued rollouts until ``stop`` is set; then kill running groups and mark them failed.
+
+        First takes the lease and adopts the claims of dead controllers; meanwhile renews the lease and
+        reconciles every ``lease_ttl_s`` s.
+        """
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
+        await self.reconcile_claims(startup=True)
+        lease_stop = asyncio.Event()
+        lease_task = asyncio.create_task(self.lease_loop(lease_stop))
         try:
             while not stop.is_set():
                 if self._sem.locked():  # all slots busy: wait for one, but keep watching ``stop``
@@ -139,7 +131,7 @@ class LocalRunner:
                     continue
                 await self._sem.acquire()
                 try:
-                    rid = await self.store.pop_queued(timeout_s=0.5)
+                    rid = await self.store.claim_queued(self.controller_id, timeout_s=0.5)
                 except Exception as exc:  # Redis down: wait and retry
                     self._sem.release()
                     log.warning("queue unavailable: %s", exc)
@@ -153,6 +145,10 @@ class LocalRunner:
                 task.add_done_callback(self._tasks.discard)
         finally:
             await self.shutdown()
+            lease_stop.set()
+            await lease_task
+            with contextlib.suppress(Exception):
+                await self.store.drop_lease(self.controller_id)
 
     async def shutdown(self) -> None:
         """SIGTERM every running group, SIGKILL after 3 s, and wait for their rollouts to be marked."""
@@ -176,18 +172,18 @@ class LocalRunner:
             self._sem.release()
 
     async def run_one(self, rollout_id: str) -> Rollout | None:
-        """Run one queued rollout to its end and write back status, failure and reward."""
-        try:
-            rollout = await self.store.get_rollout(rollout_id)
-        except RolloutNotFound:
-            log.warning("queued rollout %s does not exist; skipped", rollout_id)
+        """Run one claimed rollout's current attempt to its end and write back status, failure and reward.
+
+        Returns the rollout as written (``queuing`` again if the attempt is retried), or ``None`` if it
+        was not queuing (or is missing) or its outcome was fenced off as stale.
+        """
+        rollout = await self.start_attempt(rollout_id)
+        if rollout is None:
             return None
-        if rollout.status != RolloutStatus.queuing:
-            return rollout
-        rollout = await self.store.set_status(rollout_id, RolloutStatus.running)
+        aid = rollout.attempt_id
         env = {**os.environ, **self.extra_env, **harness_env(self.gateway_url, rollout, self.model, self.key)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{rollout_id}.{rollout.attempt_id}.log"
+        log_path = self.log_dir / f"{rollout_id}.{aid}.log"
         failure: str | None = None
         with open(log_path, "wb") as logf:
             try:
@@ -196,7 +192,7 @@ class LocalRunner:
                                                             start_new_session=True)
             except OSError as exc:
                 log.warning("cannot start %s: %s", self.command, exc)
-                return await self.store.set_status(rollout_id, RolloutStatus.failed, "spawn_error")
+                return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
             self._procs[rollout_id] = proc
             t0 = time.monotonic()
             try:
@@ -212,26 +208,6 @@ class LocalRunner:
                 # Reap anything the harness left behind in its group.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-        log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, rollout.attempt_id,
-                 time.monotonic() - t0, failure or "ok")
-        return await self._finish(rollout_id, rollout.attempt_id, failure)
-
-    async def _finish(self, rollout_id: str, attempt_id: str, failure: str | None) -> Rollout:
-        calls = await self.store.read_calls(rollout_id, attempt_id)
-        if failure is None and not calls:
-            failure = "no_model_calls"
-        current = await self.store.get_rollout(rollout_id)
-        if failure is None and current.reward is None and self.reward_fn is not None:
-            try:
-                value = float(self.reward_fn(current.input, final_output(calls)))
-            except Exception as exc:
-                log.warning("reward function failed on %s: %s", rollout_id, exc)
-                failure = "reward_error"
-            else:
-                def set_reward(r: Rollout) -> None:
-                    r.reward = value
-                current = await self.store.update_rollout(rollout_id, set_reward)
-        if failure is None and current.reward is None:
-            failure = "no_reward"
-        status = RolloutStatus.failed if failure else RolloutStatus.succeeded
-        return await self.store.set_status(rollout_id, status, failure)
+        log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
+                 failure or "ok")
+        return await self.finish_attempt(rollout_id, aid, failure)

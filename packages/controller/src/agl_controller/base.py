@@ -1,0 +1,237 @@
+"""What every runner shares: claims, the controller lease, crash recovery, and ending an attempt.
+
+Ownership. A runner takes a queued rollout with :meth:`Store.claim_queued` (BLMOVE from ``P queue`` into
+its own ``P processing:{controller_id}`` list) and keeps it there until the attempt has ended and its
+outcome is written. While it lives it renews ``P controller:{controller_id}`` (TTL ``lease_ttl_s``). So a
+crash loses nothing: the ids stay in the dead controller's processing list, and once its lease has
+expired any live controller adopts them (:meth:`Runner.reconcile_claims`, run at start-up and every
+``lease_ttl_s`` seconds). A controller restarted with the same ``controller_id`` adopts its own previous
+list at start-up without waiting for the lease.
+
+Adopting an id: missing or finished rollout → dropped; ``queuing`` → put back at the queue's head;
+``running`` → :meth:`Runner.adopt_running` (the local runner cannot reattach to processes of another
+controller: the attempt ends with ``controller_lost``; the Kubernetes runner keeps watching its Job).
+
+Ending an attempt (:meth:`Runner.finish_attempt`) is fenced: it writes only if the rollout is still
+``running`` on that attempt, so a controller that lost its lease cannot overwrite the outcome of a newer
+attempt. A failure whose reason matches ``retry_on`` starts a new attempt while fewer than
+``max_attempts`` have run (the old attempt's late calls and rewards then get 409 from the gateway);
+other failures, and the last attempt's, leave the rollout ``failed`` with its reason. An infrastructure
+failure is never turned into a reward of 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.store import RolloutNotFound, Store
+
+log = logging.getLogger("agl.controller")
+
+RewardFn = Callable[[dict[str, Any], str], float]
+
+#: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
+#: An entry matches the reason itself or any ``entry:...`` (``signal`` matches ``signal:15``).
+DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controller_lost", "evicted",
+                    "deadline_exceeded", "job_lost")
+
+
+class Stale(Exception):
+    """The rollout moved on (another attempt, or finished): this runner's result is dropped."""
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"reward function must be 'module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def final_output(calls: list[CallRecord]) -> str:
+    """Text of the last successful answer of an attempt (chat message content or completion text)."""
+    for call in reversed(calls):
+        if call.status != "ok" or not call.response:
+            continue
+        choices = call.response.get("choices") or []
+        if choices:
+            msg = choices[0].get("message") or {}
+            return msg.get("content") or choices[0].get("text") or ""
+    return ""
+
+
+def matches(failure: str, patterns: Iterable[str]) -> bool:
+    """True if ``failure`` equals a pattern or starts with ``pattern + ':'``."""
+    return any(failure == p or failure.startswith(p + ":") for p in patterns)
+
+
+class Runner:
+    """Base of the local and Kubernetes runners.
+
+    Args:
+        store: the experiment's store.
+        reward_fn: ``module:function`` used when a successful run reported no reward itself.
+        max_attempts: attempts per rollout, the first included (1: never retry).
+        retry_on: failure reasons that start a new attempt (see :func:`matches`).
+        controller_id: this controller's name in Redis; default ``{hostname}-{random}``. Reuse it on a
+            restart to adopt the previous life's claims at once.
+        lease_ttl_s: seconds after the last renewal at which this controller counts as dead; the lease
+            is renewed every ``lease_ttl_s / 3`` s and dead controllers are looked for every ``lease_ttl_s``.
+    """
+
+    def __init__(self, store: Store, reward_fn: str | None = None, max_attempts: int = 1,
+                 retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
+                 lease_ttl_s: float = 15.0):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.store = store
+        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None
+        self.max_attempts = max_attempts
+        self.retry_on = tuple(retry_on)
+        self.controller_id = controller_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.lease_ttl_s = lease_ttl_s
+
+    # ---------------------------------------------------------------- lease and recovery
+    async def lease_loop(self, stop: asyncio.Event) -> None:
+        """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``."""
+        last_reconcile = time.monotonic()
+        while not stop.is_set():
+            try:
+                await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
+                if time.monotonic() - last_reconcile >= self.lease_ttl_s:
+                    last_reconcile = time.monotonic()
+                    await self.reconcile_claims()
+            except Exception as exc:  # Redis down: keep trying
+                log.warning("lease/reconcile failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.lease_ttl_s / 3)
+
+    async def reconcile_claims(self, startup: bool = False) -> int:
+        """Adopt the claims of dead controllers (and, with ``startup``, this id's own leftover claims).
+
+        Returns the number of ids adopted.
+        """
+        owners = await self.store.claim_owners()
+        adopted = 0
+        for cid, alive in owners.items():
+            if cid == self.controller_id:
+                if not startup:
+                    continue
+            elif alive:
+                continue
+            source = cid
+            if cid == self.controller_id:  # rotate our own leftovers through a temporary list
+                source = f"{cid}.restart"
+                while await self.store.adopt_claim(cid, source):
+                    pass
+            while (rid := await self.store.adopt_claim(source, self.controller_id)) is not None:
+                adopted += 1
+                try:
+                    await self.adopt(rid)
+                except Exception:
+                    log.exception("adopting rollout %s failed; it stays claimed by %s", rid, self.controller_id)
+        if adopted:
+            log.info("adopted %d claim(s) of dead controllers", adopted)
+        return adopted
+
+    async def adopt(self, rollout_id: str) -> None:
+        """Decide what to do with a claim adopted from a dead controller (now in our processing list)."""
+        try:
+            rollout = await self.store.get_rollout(rollout_id)
+        except RolloutNotFound:
+            await self.store.release_claim(self.controller_id, rollout_id)
+            return
+        if rollout.status == RolloutStatus.queuing:
+            await self.store.requeue_claim(self.controller_id, rollout_id)
+        elif rollout.status == RolloutStatus.running:
+            await self.adopt_running(rollout)
+        else:
+            await self.store.release_claim(self.controller_id, rollout_id)
+
+    async def adopt_running(self, rollout: Rollout) -> None:
+        """A running rollout of a dead controller: by default its attempt ends with ``controller_lost``."""
+        log.warning("rollout %s attempt %s was running on a lost controller", rollout.rollout_id, rollout.attempt_id)
+        await self.finish_attempt(rollout.rollout_id, rollout.attempt_id, "controller_lost", check_calls=False)
+
+    # ---------------------------------------------------------------- attempts
+    async def start_attempt(self, rollout_id: str) -> Rollout | None:
+        """Move a claimed ``queuing`` rollout to ``running``; ``None`` (claim released) if it is not queuing."""
+
+        def change(r: Rollout) -> None:
+            if r.status != RolloutStatus.queuing:
+                raise Stale(r.status.value)
+            r.status = RolloutStatus.running
+            r.started_at = time.time()
+            r.failure = None
+
+        try:
+            return await self.store.update_rollout(rollout_id, change)
+        except (Stale, RolloutNotFound):
+            log.info("claimed rollout %s is missing or not queuing; skipped", rollout_id)
+            await self.store.release_claim(self.controller_id, rollout_id)
+            return None
+
+    async def finish_attempt(self, rollout_id: str, attempt_id: str, failure: str | None,
+                             check_calls: bool = True) -> Rollout | None:
+        """Write the outcome of one attempt, retry it if allowed, and release its claim.
+
+        ``failure``: ``None`` when the run itself ended well; then no model call → ``no_model_calls``,
+        no reward (reported or from ``reward_fn``) → ``no_reward``, a raising ``reward_fn`` →
+        ``reward_error``. Returns the rollout as written, or ``None`` if the attempt was stale.
+        """
+        try:
+            return await self._finish(rollout_id, attempt_id, failure, check_calls)
+        except (Stale, RolloutNotFound, ValueError) as exc:
+            log.info("outcome of rollout %s attempt %s dropped: %s", rollout_id, attempt_id, exc or "stale")
+            await self.store.release_claim(self.controller_id, rollout_id)
+            return None
+
+    async def _finish(self, rollout_id: str, attempt_id: str, failure: str | None, check_calls: bool) -> Rollout:
+        def current(r: Rollout) -> None:
+            if r.attempt_id != attempt_id or r.status != RolloutStatus.running:
+                raise Stale(f"rollout is {r.status.value} on attempt {r.attempt_id}")
+
+        calls = await self.store.read_calls(rollout_id, attempt_id) if check_calls else []
+        if failure is None and not calls:
+            failure = "no_model_calls"
+        rollout = await self.store.get_rollout(rollout_id)
+        current(rollout)
+        if failure is None and rollout.reward is None and self.reward_fn is not None:
+            try:
+                value = float(self.reward_fn(rollout.input, final_output(calls)))
+            except Exception as exc:
+                log.warning("reward function failed on %s: %s", rollout_id, exc)
+                failure = "reward_error"
+            else:
+                def set_reward(r: Rollout) -> None:
+                    current(r)
+                    r.reward = value
+                rollout = await self.store.update_rollout(rollout_id, set_reward)
+        if failure is None and rollout.reward is None:
+            failure = "no_reward"
+        if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
+            rollout = await self.store.retry_attempt(rollout_id, attempt_id)
+            await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
+            await self.store.requeue_claim(self.controller_id, rollout_id)
+            log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,
+                     rollout.attempt_id)
+            return rollout
+
+        def end(r: Rollout) -> None:
+            current(r)
+            r.status = RolloutStatus.failed if failure else RolloutStatus.succeeded
+            r.ended_at = time.time()
+            r.failure = failure
+
+        rollout = await self.store.update_rollout(rollout_id, end)
+        await self.store.release_claim(self.controller_id, rollout_id)
+        return rollout
