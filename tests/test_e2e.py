@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from agl_common.schemas import RolloutStatus
 from agl_common.store import Store
 
@@ -117,9 +118,10 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
 def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     """`agl-trainer train CONFIG` (tiny sizes, the running engine), then `rollouts export`."""
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(json.dumps({"steps": 1, "groups_per_step": 2, "group_size": 3, "eval_size": 4,
-                               "concurrency": 4, "engine_url": engine, "redis_url": redis_url, "prefix": prefix,
-                               "out_dir": str(tmp_path / "runs")}))
+    settings = {"steps": 1, "groups_per_step": 2, "active_groups": 3, "group_size": 3, "eval_size": 4,
+                "concurrency": 4, "engine_url": engine, "redis_url": redis_url, "prefix": prefix,
+                "out_dir": str(tmp_path / "runs"), "tis_cap": 2.0}
+    cfg.write_text(json.dumps(settings))
     env = {**os.environ, "AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix}
     run = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200)
@@ -131,6 +133,18 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     steps = [m for m in lines if "step" in m]
     assert len(steps) == 1 and steps[0]["calls_per_rollout"] >= 2 and "merge_breaks" in steps[0]
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert steps[0]["carried_over"] == 1  # collocated async: 3 groups in flight, 2 trained
+    # the trainer is stopped after step 1 and resumed for a second step from its checkpoint
+    cfg.write_text(json.dumps({**settings, "steps": 2}))
+    run2 = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg), "--resume", str(run_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert run2.returncode == 0, run2.stdout[-3000:] + run2.stderr[-3000:]
+    assert "resumed" in run2.stdout
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "step" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    trained = redis.Redis.from_url(redis_url).smembers(prefix + "trained")
+    assert len(trained) == 4  # four distinct groups trained, none twice
     export = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export"], env=env,
                             capture_output=True, text=True, timeout=120)
     records = [json.loads(line) for line in export.stdout.splitlines()]

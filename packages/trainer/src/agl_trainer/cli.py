@@ -38,19 +38,21 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _run(cfg) -> None:
+def _run(cfg, resume_dir: Path | None = None) -> None:
     from .run import run_training
 
     _sigterm_as_interrupt()
     try:
-        run_training(cfg, console)
+        run_training(cfg, console, resume_dir)
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")
         raise typer.Exit(130) from None
 
 
 @app.command()
-def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields")):
+def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
+          resume: Path = typer.Option(None, exists=True, file_okay=False,
+                                      help="continue this run directory from its last checkpoint")):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -61,7 +63,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
-    _run(cfg)
+    _run(cfg, resume)
 
 
 @app.command()

@@ -32,6 +32,9 @@ class TrainConfig(BaseModel):
     group_size: int = 8
     eval_size: int = 40
     concurrency: int = 8
+    active_groups: int | None = Field(None, description="groups in flight; more than groups_per_step = "
+                                      "collocated async RL (None: synchronous)")
+    max_staleness: int = Field(1, description="async: drop a group created more than this many versions ago")
     rollout_timeout_s: float = 180.0
     # algorithm
     aggregation: Literal["trajectory", "transition"] = "trajectory"
@@ -43,6 +46,8 @@ class TrainConfig(BaseModel):
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float | None = 3.0
+    tis_cap: float | None = Field(None, description="truncated importance sampling cap against the engine's "
+                                  "logprobs (None: PPO ratio against the engine's logprobs directly)")
     micro_batch_tokens: int = 1024
     max_prompt_tokens: int | None = Field(None, description="drop a row whose first prompt is longer (counted)")
     max_response_tokens: int | None = Field(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -130,7 +129,3 @@ async def evaluate(store: Store, problems: list[dict], tag: str, version: int, t
 
 def new_run_id() -> str:
     return time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
-
-
-def sample_problems(train: list[dict], k: int, step: int, seed: int) -> list[dict]:
-    return random.Random(seed * 100003 + step).sample(train, k)

@@ -8,6 +8,11 @@ Clipped surrogate (Schulman et al. 2017, "PPO", eq. 7), token level, with ratio
 and, for ``A < 0``, the dual clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games"):
 ``pg_t = min(pg_t, -A * clip_c)`` (verl ``core_algos.compute_policy_loss_vanilla``).
 
+Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training"): when the behaviour policy (the engine, possibly several versions old) differs
+from the trainer's ``old`` policy, ``pg_t`` is multiplied by ``min(exp(old_t - behaviour_t), C)``; see
+:func:`truncated_is_weights`.
+
 Per-rollout normalization: every rollout weighs the same whatever its number of rows or tokens::
 
     L = (1 / R) * sum_r (1 / T_r) * sum_{rows of r} sum_t mask_t * pg_t
@@ -40,7 +45,8 @@ def per_rollout_token_weights(response_mask: torch.Tensor, rollout_index: torch.
 
 def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
              weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-             clip_c: float | None = 3.0) -> tuple[torch.Tensor, dict[str, float]]:
+             clip_c: float | None = 3.0, is_weights: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO loss with dual clip, reduced with ``weights``.
 
     Args:
@@ -50,6 +56,7 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
         weights: ``(B, T)`` float from :func:`per_rollout_token_weights` (0 at context tokens).
         clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
         clip_c: dual-clip constant (> 1), or None to disable.
+        is_weights: ``(B, T)`` token-level importance weights multiplied into ``pg`` (e.g. truncated IS).
     Returns:
         ``(loss, stats)``: scalar loss; stats with the clipped fraction and mean ratio over weighted tokens.
     """
@@ -61,6 +68,8 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     pg = torch.maximum(loss1, loss2)
     if clip_c is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * clip_c), pg)
+    if is_weights is not None:
+        pg = pg * is_weights
     loss = (pg * weights).sum()
     with torch.no_grad():
         active = weights > 0
@@ -68,3 +77,14 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
         stats = {"clip_frac": float(((loss2 > loss1) & active).sum() / n),
                  "ratio_mean": float((ratio * active).sum() / n)}
     return loss, stats
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """``min(exp(old - behaviour), cap)`` per token, ``(B, T)`` float, no gradient.
+
+    Args:
+        old_logprobs: ``(B, T)`` the trainer's policy before this update (nats).
+        behaviour_logprobs: ``(B, T)`` what the engine recorded when it sampled (nats).
+        cap: the truncation C (Yao et al. 2025 use 2).
+    """
+    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()

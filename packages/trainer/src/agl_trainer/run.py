@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import uuid
 import sys
 import time
 from pathlib import Path
 
-from agl_common.control import resume
+from agl_common.control import resume as resume_gateway
 from agl_common.schemas import Policy
 from agl_common.store import Store
 from rich.console import Console
@@ -20,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .config import TrainConfig
-from .loop import (build_batch, create_rollouts, evaluate, load_tasks, new_run_id, sample_problems,
-                   select_groups, wait_terminal)
+from .loop import build_batch, evaluate, load_tasks, new_run_id, select_groups
+from .scheduler import Group, GroupScheduler
 
 COLUMNS = [("step", "step"), ("reward_mean", "reward"), ("accuracy", "acc"), ("calls_per_rollout", "calls/r"),
            ("rows", "rows"), ("merge_breaks", "breaks"), ("failed", "failed"), ("loss", "loss"),
@@ -58,14 +60,39 @@ def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler) -> None:
+    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight.
+
+    Written to a temporary directory and renamed, so a trainer killed mid-write keeps the previous one.
+    """
+    tmp = run_dir / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    backend.checkpoint(tmp)
+    state = {"step": step, "version": version, "groups_created": scheduler._count,
+             "active": [{"group_id": g.group_id, "rollout_ids": g.rollout_ids, "version": g.version}
+                        for g in scheduler.active.values()]}
+    (tmp / "state.json").write_text(json.dumps(state))
+    old = run_dir / "checkpoint"
+    if old.exists():
+        shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
+        old.rename(run_dir / "checkpoint.old")
+    tmp.rename(old)
+    shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
+
+
+def load_checkpoint(run_dir: Path) -> dict | None:
+    path = run_dir / "checkpoint" / "state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console: Console,
-                      redis_url: str) -> dict:
+                      redis_url: str, resume: bool = False) -> dict:
     """The loop proper, against running services. Returns the summary (accuracy before/after...)."""
     from transformers import AutoTokenizer
 
     from .aggregate import end_of_turn_ids
     from .backends.cpu import CpuBackend
-    from .cycle import collocated_update
+    from .cycle import collocated_update, load_adapter
     from .model import ensure_base_model
 
     train = load_tasks(cfg.task_file, cfg.train_fn)
@@ -75,12 +102,13 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
     metrics_path = run_dir / "metrics.jsonl"
     metrics, evals = [], []
     try:
-        await store.set_policy(Policy(model=cfg.model_name, version=0))
-        await resume(store, model=cfg.model_name, version=0)
+        if not resume:
+            await store.set_policy(Policy(model=cfg.model_name, version=0))
+            await resume_gateway(store, model=cfg.model_name, version=0)
         backend = await asyncio.to_thread(
             CpuBackend, ensure_base_model(), run_dir / "adapters", lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed)
+            clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap)
         # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
         base_dir = ensure_base_model()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
@@ -90,7 +118,8 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
 
             async def run_eval(when: str, version: int) -> dict:
                 task = progress.add_task(f"held-out eval ({when})", total=len(heldout))
-                res = await evaluate(store, heldout, f"{run_id}-eval-{when}", version, cfg.rollout_timeout_s * 4,
+                res = await evaluate(store, heldout, f"{run_id}-eval-{when}-{uuid.uuid4().hex[:6]}", version,
+                                     cfg.rollout_timeout_s * 4,
                                      lambda d, t: progress.update(task, completed=d))
                 res["when"] = when
                 evals.append(res)
@@ -98,27 +127,41 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     f.write(json.dumps({"eval": when, **res}) + "\n")
                 return res
 
-            await run_eval("before", 0)
-            steps_task = progress.add_task("training steps", total=cfg.steps)
-            version = 0
-            for step in range(1, cfg.steps + 1):
+            state = load_checkpoint(run_dir) if resume else None
+            version, first_step = 0, 1
+            scheduler = GroupScheduler(store, train, cfg.group_size, cfg.groups_per_step, cfg.active_groups,
+                                       cfg.max_staleness, tag=run_id, seed=cfg.seed)
+            if state is not None:  # a restarted trainer: same policy, same groups in flight, next step
+                version, first_step = state["version"], state["step"] + 1
+                await asyncio.to_thread(backend.restore, run_dir / "checkpoint")
+                scheduler._count = state["groups_created"]
+                for g in state["active"]:
+                    await scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
+                if version:
+                    await load_adapter(engine_url, f"policy-v{version}", run_dir / "adapters" / f"policy-v{version}")
+                await resume_gateway(store, model=f"policy-v{version}" if version else cfg.model_name, version=version)
+                console.print(f"resumed {run_dir.name} after step {state['step']} (policy v{version}, "
+                              f"{len(state['active'])} groups in flight)")
+            else:
+                await run_eval("before", 0)
+            steps_task = progress.add_task("training steps", total=cfg.steps, completed=first_step - 1)
+            for step in range(first_step, cfg.steps + 1):
                 t0 = time.perf_counter()
-                problems = sample_problems(train, cfg.groups_per_step, step, cfg.seed)
-                rtask = progress.add_task(f"  step {step} rollouts", total=cfg.groups_per_step * cfg.group_size)
-                ids = await create_rollouts(store, problems, cfg.group_size, f"{run_id}-s{step}", version)
-                rollouts = await wait_terminal(store, ids, cfg.rollout_timeout_s * 4,
-                                               lambda d, t: progress.update(rtask, completed=d))
-                t_rollouts = time.perf_counter() - t0
+                rtask = progress.add_task(f"  step {step} groups", total=cfg.groups_per_step)
+                batch = await scheduler.next_batch(version, cfg.rollout_timeout_s * 4,
+                                                   lambda d, t: progress.update(rtask, completed=d))
+                rollouts = [r for g in batch.groups for r in g.rollouts]
                 kept, counts = select_groups(rollouts, cfg.min_group_size)
                 rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg, tokenizer.decode, eos_ids)
                 succeeded = [r for r in rollouts if r.reward is not None]
                 m = {"step": step, "policy_version": version,
                      "reward_mean": sum(r.reward for r in succeeded) / max(1, len(succeeded)),
-                     "accuracy": sum(1 for r in succeeded if r.reward > 0.5) / len(rollouts),
+                     "accuracy": sum(1 for r in succeeded if r.reward > 0.5) / max(1, len(rollouts)),
                      "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
                      "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
-                     "dropped_groups": counts["dropped_groups"], "rollout_s": t_rollouts, **adv_stats,
-                     **astats.metrics()}
+                     "dropped_groups": counts["dropped_groups"], "rollout_s": batch.wait_s,
+                     "carried_over": batch.carried_over, "group_ages": batch.ages,
+                     "staleness_drops": batch.stale_dropped, **adv_stats, **astats.metrics()}
                 if rows and any(abs(a) > 0 for a in row_adv):
                     cycle = await collocated_update(store, engine_url, version + 1,
                                                     lambda: backend.update(rows, row_adv), backend.save,
@@ -128,6 +171,7 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     m["policy_version"] = version
                 else:
                     m["skipped_update"] = "no advantage signal" if rows else "no rows"
+                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler)
                 m["step_s"] = time.perf_counter() - t0
                 metrics.append(m)
                 with metrics_path.open("a") as f:
@@ -135,7 +179,8 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                 progress.update(steps_task, advance=1)
                 progress.remove_task(rtask)
                 console.print(f"step {step}: reward {m['reward_mean']:.3f}, rows {m['rows']}, "
-                              f"breaks {m['merge_breaks']}, failed {m['failed']}, {m['step_s']:.1f} s")
+                              f"breaks {m['merge_breaks']}, failed {m['failed']}, carried {m['carried_over']}, "
+                              f"{m['step_s']:.1f} s")
             await run_eval("after", version)
     finally:
         await store.close()
@@ -147,18 +192,24 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
     summary = {"run_dir": str(run_dir), "steps": len(metrics), "policy_version": metrics[-1]["policy_version"] if metrics else 0,
                "accuracy_before": before["accuracy"] if before else None,
                "accuracy_after": after["accuracy"] if after else None}
-    console.print(f"held-out accuracy: before {summary['accuracy_before']:.3f} → after "
-                  f"{summary['accuracy_after']:.3f}  (n={len(heldout)}; outputs in {run_dir})")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    console.print(f"held-out accuracy: before {fmt(summary['accuracy_before'])} → after "
+                  f"{fmt(summary['accuracy_after'])}  (n={len(heldout)}; outputs in {run_dir})")
     return summary
 
 
-def run_training(cfg: TrainConfig, console: Console | None = None) -> dict:
-    """Start missing services, train, stop them (also on Ctrl-C). Returns the summary dict."""
+def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: Path | None = None) -> dict:
+    """Start missing services, train, stop them (also on Ctrl-C). Returns the summary dict.
+
+    With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
+    """
     from .model import ensure_base_model
     from .services import Services
 
     console = console or Console()
-    run_dir = Path(cfg.out_dir) / new_run_id()
+    run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
+    if resume_dir and load_checkpoint(run_dir) is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     with Services(run_dir / "logs") as svc:
@@ -176,4 +227,4 @@ def run_training(cfg: TrainConfig, console: Console | None = None) -> dict:
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
                              run_dir / "logs" / "rollouts", cfg.reward_fn)
         console.print(f"engine {engine}, gateway {gateway}, redis {redis_url}, run {run_dir}")
-        return asyncio.run(train_async(cfg, engine, run_dir, console, redis_url))
+        return asyncio.run(train_async(cfg, engine, run_dir, console, redis_url, resume=resume_dir is not None))

@@ -116,6 +116,8 @@ class Services:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", served_name, "--dtype", "bfloat16", "--max-model-len", "2048",
                 "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2",
+                # harnesses send tools: let the engine accept them and parse Hermes-style <tool_call> output
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                 "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",

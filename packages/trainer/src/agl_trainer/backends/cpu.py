@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..aggregate import Row
-from ..loss import per_rollout_token_weights, ppo_loss
+from ..loss import per_rollout_token_weights, ppo_loss, truncated_is_weights
 
 
 class CpuBackend:
@@ -25,13 +25,15 @@ class CpuBackend:
         lora_rank, lora_alpha: LoRA size (rank must not exceed the engine's ``--max-lora-rank``).
         lr: AdamW learning rate.
         micro_batch_tokens: most (padded) tokens per forward pass.
+        tis_cap: with a cap, the PPO ratio is taken against the trainer's own policy before the update and
+            the engine's logprobs enter as truncated importance weights (for stale, async samples).
         bf16: run forward and backward under CPU bf16 autocast (LoRA weights and optimizer stay fp32);
             about as fast as the engine's own bf16 and closer to its logprobs.
     """
 
     def __init__(self, base_dir: Path, out_dir: Path, lora_rank: int = 8, lora_alpha: int = 16, lr: float = 1e-4,
                  micro_batch_tokens: int = 1024, clip_low: float = 0.2, clip_high: float = 0.2,
-                 clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True):
+                 clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -48,6 +50,7 @@ class CpuBackend:
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
         self.pad_id = 0
         self.bf16 = bf16
+        self.tis_cap = tis_cap
 
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, order: list[int], rows: list[Row]) -> list[list[int]]:
@@ -116,6 +119,8 @@ class CpuBackend:
         for b, r in enumerate(rows):
             mask_all[b, : len(r.response_mask)] = torch.tensor(r.response_mask, dtype=torch.float32)
         weights_all = per_rollout_token_weights(mask_all, torch.tensor([rindex[r.rollout_id] for r in rows]))
+        trainer_old = self.logprobs(rows) if self.tis_cap is not None else None
+        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total, clip_fracs, ratios = 0.0, [], []
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].response_ids))
@@ -131,7 +136,14 @@ class CpuBackend:
                 if not r.has_logprobs:
                     old[j] = lp[j].detach()
             adv = torch.tensor([row_advantages[i] for i in mb], dtype=torch.float32)
-            loss, st = ppo_loss(lp, old, adv, weights_all[mb, :Tm], **self.clip)
+            is_w = None
+            if trainer_old is not None:
+                behaviour = old
+                old = torch.zeros_like(lp)
+                for j, i in enumerate(mb):
+                    old[j, : len(trainer_old[i])] = torch.tensor(trainer_old[i])
+                is_w = truncated_is_weights(old, behaviour, self.tis_cap)
+            loss, st = ppo_loss(lp, old, adv, weights_all[mb, :Tm], is_weights=is_w, **self.clip)
             loss.backward()
             total += float(loss.detach())
             clip_fracs.append(st["clip_frac"])
@@ -141,6 +153,19 @@ class CpuBackend:
         return {"loss": total, "clip_frac": sum(clip_fracs) / len(clip_fracs),
                 "ratio_mean": sum(ratios) / len(ratios), "grad_norm": float(grad_norm),
                 "train_tokens": int(mask_all.sum()), "update_s": time.perf_counter() - t0}
+
+    def checkpoint(self, path: Path) -> None:
+        """Write the LoRA weights (PEFT format) and the optimizer state to ``path``."""
+        self.model.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), Path(path) / "optimizer.pt")
+
+    def restore(self, path: Path) -> None:
+        """Load what :meth:`checkpoint` wrote (same LoRA configuration). Raises ``FileNotFoundError``."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(self.model, load_file(Path(path) / "adapter_model.safetensors"))
+        self.optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", weights_only=True))
 
     def save(self, version: int) -> Path:
         """Write the adapter of policy ``version`` (PEFT ``save_pretrained``) and return its directory."""
