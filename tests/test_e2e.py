@@ -14,7 +14,6 @@ import httpx
 import pytest
 import redis
 from agl_common.schemas import RolloutStatus
-from agl_common.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from agl_common.schemas import Rollout, RolloutStatus
 from agl_gateway import GatewaySettings, create_app
 
 from fakes import Served, fake_upstream

@@ -13,12 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).parent))
-from task import reward  # noqa: E402
+from task import report  # noqa: E402
 
 INSTRUCTIONS = "You solve short arithmetic word problems. Think briefly, then give the answer as a number."
 CHECK = "Check your work. Reply with only the final number."
@@ -37,12 +36,7 @@ async def solve(question: str) -> str:
 def main() -> None:
     task = json.loads(os.environ["AGL_INPUT"])
     answer = asyncio.run(solve(task["question"]))
-    value = reward(task, answer)
-    print(json.dumps({"question": task["question"], "answer": answer, "reward": value}))
-    if os.environ.get("AGL_REWARD_URL"):
-        resp = httpx.post(os.environ["AGL_REWARD_URL"], json={"value": value},
-                          headers={"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', '')}"}, timeout=30)
-        resp.raise_for_status()
+    report(task, answer)
 
 
 if __name__ == "__main__":

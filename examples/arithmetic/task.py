@@ -69,3 +69,23 @@ def reward(task: dict, output: str) -> float:
     """Exact match: 1.0 if the last number of the final answer equals the answer, else 0.0."""
     value = final_number(output)
     return 1.0 if value is not None and value == float(task["answer"]) else 0.0
+
+
+def report(task: dict, answer: str) -> float:
+    """The evaluator's last step: score ``answer``, print it, and post the reward to AGL_REWARD_URL.
+
+    The run's key (OPENAI_API_KEY, rollout-scoped under AGL) authorizes the post. Raises
+    ``httpx.HTTPStatusError`` if the gateway refuses it (e.g. 409 for a fenced, stale attempt).
+    """
+    import json
+    import os
+
+    import httpx
+
+    value = reward(task, answer)
+    print(json.dumps({"question": task["question"], "answer": answer, "reward": value}))
+    if os.environ.get("AGL_REWARD_URL"):
+        resp = httpx.post(os.environ["AGL_REWARD_URL"], json={"value": value},
+                          headers={"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', '')}"}, timeout=30)
+        resp.raise_for_status()
+    return value
