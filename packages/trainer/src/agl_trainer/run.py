@@ -116,7 +116,9 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
 
-            async def run_eval(when: str, version: int) -> dict:
+            async def run_eval(when: str, version: int) -> dict | None:
+                if not heldout:  # eval_size: 0
+                    return None
                 task = progress.add_task(f"held-out eval ({when})", total=len(heldout))
                 res = await evaluate(store, heldout, f"{run_id}-eval-{when}-{uuid.uuid4().hex[:6]}", version,
                                      cfg.rollout_timeout_s * 4,
