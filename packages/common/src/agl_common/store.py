@@ -43,6 +43,15 @@ from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 
 REPLICA_TTL_S = 5
 
+#: KEYS: seq counter, calls stream; ARGV: the record JSON with ``"seq":-1`` (its third field, before any
+#: agent-controlled text, so the first match is always the record's own).
+_RECORD_CALL = """
+local seq = redis.call('INCR', KEYS[1]) - 1
+local body = string.gsub(ARGV[1], '"seq":%-1', '"seq":' .. seq, 1)
+redis.call('XADD', KEYS[2], '*', 'd', body)
+return seq
+"""
+
 
 class RolloutNotFound(KeyError):
     """No rollout with this id exists."""
@@ -164,11 +173,13 @@ class Store:
     async def record_call(self, record: CallRecord) -> CallRecord:
         """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
 
-        Returns once Redis has acknowledged the write, so the caller may answer the agent.
+        One atomic server-side script (one round trip): the counter and the stream never disagree, even if
+        the gateway dies mid-call. Returns once Redis has acknowledged the write.
         """
-        seq_key = self.key("seq", record.rollout_id, record.attempt_id)
-        record.seq = int(await self.r.incr(seq_key)) - 1
-        await self.r.xadd(self.key("calls", record.rollout_id), {"d": record.model_dump_json()})
+        record.seq = -1
+        seq = await self.r.eval(_RECORD_CALL, 2, self.key("seq", record.rollout_id, record.attempt_id),
+                                self.key("calls", record.rollout_id), record.model_dump_json())
+        record.seq = int(seq)
         return record
 
     async def count_calls(self, rollout_id: str, attempt_id: str) -> int:

@@ -9,16 +9,17 @@ import time
 from contextlib import asynccontextmanager
 
 import httpx
+import redis.asyncio as aioredis
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.store import Store
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .errors import install_handlers
+from . import translate
 from .engines import Engines
+from .errors import install_handlers
 from .gate import PauseGate
 from .proxy import GatewayState
-from . import translate
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
 
@@ -55,8 +56,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         store = Store(settings.redis_url, settings.prefix)
+        # Every concurrent call holds a Redis connection for a moment: redis-py's default pool (100, then
+        # "Too many connections" at once) turned load into 503s. Wait for a free connection instead.
+        await store.r.aclose()
+        store.r = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, timeout=10,
+            socket_connect_timeout=2, socket_timeout=10, health_check_interval=10))
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
-                                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                     # under the engine's own keep-alive (uvicorn, vLLM: 5 s), so
+                                                     # a connection it is closing is never reused (ReadError, 502)
+                                                     keepalive_expiry=2.0))
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
@@ -128,8 +138,8 @@ async def _sync_from_store(st: GatewayState) -> None:
 async def _control_loop(st: GatewayState) -> None:
     """Listen on the control channel; on (re)connect, re-read the stored state first."""
     while True:
+        pubsub = st.store.r.pubsub()
         try:
-            pubsub = st.store.r.pubsub()
             await pubsub.subscribe(st.store.key("control"))
             await _sync_from_store(st)
             async for message in pubsub.listen():
@@ -144,6 +154,9 @@ async def _control_loop(st: GatewayState) -> None:
         except Exception as exc:  # Redis down: retry, keep serving with the last known state
             log.warning("control channel lost (%s); reconnecting", exc)
             await asyncio.sleep(0.5)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:

@@ -9,6 +9,7 @@ answer the agent with the engine's body, minus the fields only the recorder aske
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -17,18 +18,39 @@ from typing import Any
 import httpx
 import orjson
 from agl_common.auth import key_allows
-from agl_common.schemas import CallRecord, Policy, Rollout, RolloutStatus, TERMINAL
+from agl_common.schemas import TERMINAL, CallRecord, Policy, Rollout, RolloutStatus
 from agl_common.store import RolloutNotFound, Store
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
+from starlette.requests import ClientDisconnect
 
-from .errors import ApiError, bad_request
 from .engines import Engines, NoEngine
+from .errors import ApiError, bad_request
 from .gate import HeldTooLong, PauseGate
 from .settings import GatewaySettings
 
+log = logging.getLogger("agl.gateway")
+
 STORE_DOWN = "the gateway's store (Redis) is unavailable; retry later"
+
+#: Deepest JSON nesting accepted in a request body or an upstream answer. A record embeds both one level
+#: down and must stay readable by ``CallRecord.model_validate_json`` (whose parser stops at ~200 levels).
+MAX_JSON_DEPTH = 64
+
+
+def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > limit:
+            return True
+        for v in (o.values() if isinstance(o, dict) else o):
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return False
 
 
 @dataclass
@@ -70,17 +92,22 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if length and length.isdigit() and int(length) > max_bytes:
         raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error", "body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error",
-                           "body_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error",
+                               "body_too_large")
+    except ClientDisconnect:  # the agent went away mid-body: nothing to answer, nothing forwarded
+        raise bad_request("client disconnected before sending the whole body", "client_disconnected") from None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", "invalid_json")
+    if too_deep(data):
+        raise bad_request(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
     return data
 
 
@@ -95,28 +122,35 @@ async def resolve_identity(request: Request, st: GatewayState) -> Identity:
     if not rid:
         raise bad_request("no rollout: use /rollouts/{id}/attempts/{n}/v1 or the X-AGL-Rollout-Id header",
                           "missing_rollout")
-    if aid is not None and not aid.isdigit():
+    if aid is not None and not (aid.isascii() and aid.isdigit()):  # not "²" or "٣" (str.isdigit accepts them)
         raise bad_request(f"attempt id must be a decimal string, got {aid!r}", "invalid_attempt")
-    if st.settings.key and not presented_key(request):
+    key, presented = st.settings.key, presented_key(request)
+    bad_key = ApiError(401, "invalid API key for this rollout attempt", "authentication_error", "invalid_api_key")
+    if key and not presented:
         raise ApiError(401, "missing API key", "authentication_error", "invalid_api_key")
+    if key and aid is not None and not key_allows(key, presented, rid, aid):
+        raise bad_key  # before any lookup: a wrong key learns nothing about which rollouts exist
     try:
         try:
             rollout = await st.store.get_rollout(rid)
         except RolloutNotFound:
             if not st.settings.open:
                 raise ApiError(404, f"unknown rollout {rid!r}", "not_found_error", "rollout_not_found") from None
+            if key and not key_allows(key, presented, rid, aid or "0"):
+                raise bad_key from None  # --open creates rollouts only for callers holding a valid key
             try:
                 rollout = await st.store.create_rollout(
                     Rollout(rollout_id=rid, attempt_id=aid or "0", status=RolloutStatus.running,
                             started_at=time.time()), enqueue=False)
             except ValueError:  # created concurrently by another call
                 rollout = await st.store.get_rollout(rid)
-    except RedisError:
+    except RedisError as exc:
+        log.warning("store unavailable while resolving %r: %r", rid, exc)
         raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
     if aid is None:
         aid = rollout.attempt_id
-    if st.settings.key and not key_allows(st.settings.key, presented_key(request), rid, aid):
-        raise ApiError(401, "invalid API key for this rollout attempt", "authentication_error", "invalid_api_key")
+    if key and not key_allows(key, presented, rid, aid):
+        raise bad_key
     if aid != rollout.attempt_id:
         raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (current attempt: {rollout.attempt_id})",
                        "conflict_error", "stale_attempt")
@@ -170,26 +204,62 @@ async def forward_json(st: GatewayState, path: str, body: dict[str, Any], rollou
     return data
 
 
+class MalformedUpstream(ValueError):
+    """The engine answered 2xx with fields of the wrong type (or unserializable / too deeply nested)."""
+
+
+_INTS = TypeAdapter(list[int])
+_FLOATS = TypeAdapter(list[float])
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    """``value`` as a list of ints (``None`` or missing: ``[]``); strict, so a bad record is never written."""
+    if value is None:
+        return []
+    try:
+        return _INTS.validate_python(value, strict=True)
+    except ValidationError:
+        raise MalformedUpstream(f"{what} is not a list of integers") from None
+
+
 def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None, str | None]:
     """Token ids and logprobs from a vLLM answer with ``return_token_ids``/``logprobs`` on.
 
     Returns ``(prompt_token_ids, response_token_ids, response_logprobs, finish_reason)`` of choice 0.
-    ``response_logprobs`` is ``None`` if the engine returned none or a list of another length.
+    ``response_logprobs`` is ``None`` if the engine returned none or a list of another length. Missing
+    fields give empty lists; fields of the wrong type raise :class:`MalformedUpstream`.
     """
-    choices = data.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
-    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
-    response_ids = choice.get("token_ids") or []
+    choices = data.get("choices")
+    if choices is None:
+        choices = []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MalformedUpstream("'choices' is not a list of objects")
+    choice = choices[0] if choices else {}
+    prompt_ids = _int_list(data.get("prompt_token_ids") or choice.get("prompt_token_ids"), "prompt_token_ids")
+    response_ids = _int_list(choice.get("token_ids"), "token_ids")
     logprobs = None
     lp = choice.get("logprobs")
+    if lp is not None and not isinstance(lp, dict):
+        raise MalformedUpstream("'logprobs' is not an object")
+    raw = None
     if isinstance(lp, dict):
         if route == "chat" and isinstance(lp.get("content"), list):
-            logprobs = [float(t.get("logprob", 0.0)) for t in lp["content"]]
+            if not all(isinstance(t, dict) for t in lp["content"]):
+                raise MalformedUpstream("'logprobs.content' is not a list of objects")
+            raw = [t.get("logprob", 0.0) for t in lp["content"]]
         elif route == "completions" and isinstance(lp.get("token_logprobs"), list):
-            logprobs = [float(x) if x is not None else 0.0 for x in lp["token_logprobs"]]
+            raw = [x if x is not None else 0.0 for x in lp["token_logprobs"]]
+    if raw is not None:
+        try:
+            logprobs = _FLOATS.validate_python(raw, strict=True)
+        except ValidationError:
+            raise MalformedUpstream("logprobs are not numbers") from None
     if logprobs is not None and len(logprobs) != len(response_ids):
         logprobs = None
-    return list(prompt_ids), list(response_ids), logprobs, choice.get("finish_reason")
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise MalformedUpstream("'finish_reason' is not a string")
+    return prompt_ids, response_ids, logprobs, finish
 
 
 def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +290,8 @@ async def record(st: GatewayState, rec: CallRecord) -> CallRecord:
     t0 = time.perf_counter()
     try:
         rec = await st.store.record_call(rec)
-    except RedisError:
+    except RedisError as exc:
+        log.warning("record of %s/%s not written: %r", rec.rollout_id, rec.attempt_id, exc)
         raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
     st.metrics.record_seconds.observe(time.perf_counter() - t0)
     return rec
@@ -279,6 +350,13 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
     if not isinstance(upstream.get("messages", []), list):
         raise bad_request("'messages' must be a list")
+    if not isinstance(body.get("model", ""), str):
+        raise bad_request("'model' must be a string")
+    if spec.to_upstream:
+        try:  # a translated body must be forwardable (chat/completions bodies are parsed JSON already)
+            orjson.dumps(upstream)
+        except TypeError as exc:
+            raise bad_request(f"request cannot be translated for the engine: {exc}") from None
     stream = bool(body.get("stream"))
     if stream and not (spec.sse or spec.live_stream):
         raise bad_request(f"stream=true is not supported on the {spec.route} route", "stream_unsupported")
@@ -287,7 +365,10 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     upstream.update(spec.force)
     if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
         await enter_gate(st)
-        return StreamingResponse(stream_chat(st, ident, spec, body, upstream), media_type="text/event-stream")
+        slot = GateSlot(st.gate)
+        return SlotStreamingResponse(stream_chat(st, ident, spec, body, upstream, slot), slot,
+                                     media_type="text/event-stream")
+    token_route = "completions" if spec.path == "/completions" else "chat"  # the engine's answer shape
     for _ in range(MAX_ABORT_RETRIES):
         await enter_gate(st)
         try:
@@ -299,14 +380,25 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             except ApiError as err:
                 await record_failure(st, rec, err, t0)
                 raise
-            prompt_ids, response_ids, logprobs, finish = extract_tokens(spec.route, data)
+            try:
+                prompt_ids, response_ids, logprobs, finish = extract_tokens(token_route, data)
+                if finish not in ABORTED:
+                    answer = agent_view(spec.route, data, body)
+                    if spec.to_agent:
+                        answer = spec.to_agent(answer, body)
+                    if too_deep(answer):
+                        raise MalformedUpstream(f"answer nested deeper than {MAX_JSON_DEPTH} levels")
+                    # encoded now, so that nothing can fail once the agent's answer has started
+                    out = list(spec.sse(answer, body)) if stream and spec.sse else orjson.dumps(answer)
+            except Exception as exc:  # noqa: BLE001 -- wrong types from the engine, or LiteLLM refusing its answer
+                err = ApiError(502, f"upstream engine sent a malformed answer ({type(exc).__name__}: {exc})"[:500],
+                               "server_error", "upstream_error")
+                await record_failure(st, rec, err, t0)
+                raise err from None
             if finish in ABORTED:  # cut by a weight update: record, then retry once the gate reopens
                 await record_failure(st, rec, ApiError(503, "upstream aborted the request", "server_error",
                                                        "upstream_aborted"), t0)
                 continue
-            answer = agent_view(spec.route, data, body)
-            if spec.to_agent:
-                answer = spec.to_agent(answer, body)
             rec.response = answer
             rec.prompt_token_ids, rec.response_token_ids, rec.response_logprobs = prompt_ids, response_ids, logprobs
             rec.finish_reason = finish
@@ -316,11 +408,39 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             observe(st, rec)
         finally:
             st.gate.leave()
-        if stream and spec.sse:
-            return StreamingResponse(spec.sse(answer, body), media_type="text/event-stream")
-        return Response(orjson.dumps(answer), media_type="application/json")
+        if isinstance(out, list):
+            return StreamingResponse(iter(out), media_type="text/event-stream")
+        return Response(out, media_type="application/json")
     raise ApiError(503, f"upstream aborted the request {MAX_ABORT_RETRIES} times", "server_error",
                    "upstream_aborted", {"Retry-After": "5"})
+
+
+class GateSlot:
+    """One call's place in the pause gate, released exactly once."""
+
+    def __init__(self, gate: PauseGate):
+        self.gate = gate
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.gate.leave()
+
+
+class SlotStreamingResponse(StreamingResponse):
+    """A stream that releases its gate slot when the response ends, however it ends: also when its body
+    iterator never started (the agent went away first), where the iterator's own ``finally`` never runs."""
+
+    def __init__(self, content: Any, slot: GateSlot, **kw: Any):
+        super().__init__(content, **kw)
+        self.slot = slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.slot.release()
 
 
 def observe(st: GatewayState, rec: CallRecord) -> None:
@@ -334,25 +454,29 @@ def _sse_error(err: ApiError) -> bytes:
 
 
 async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
-                      upstream: dict[str, Any]) -> AsyncIterator[bytes]:
+                      upstream: dict[str, Any], slot: GateSlot) -> AsyncIterator[bytes]:
     """Relay a live chat stream, capturing prompt ids (first chunk), per-chunk ids and logprobs.
 
     The record is written before ``[DONE]`` is sent; if the engine's ids do not add up to
-    ``usage.completion_tokens`` the record is kept with ``status: "error"`` (no training row). The gate
-    slot taken by the caller is released when the stream ends, however it ends.
+    ``usage.completion_tokens`` the record is kept with ``status: "error"`` (no training row). A stream
+    that ends without ``[DONE]``, or with chunks of the wrong shape, is an error (recorded; the agent gets
+    an error event, never ``[DONE]``). The gate slot taken by the caller is released when the stream ends,
+    however it ends.
     """
     policy = st.policy
     rec = new_record(ident, spec, body, policy)
     t0 = time.perf_counter()
-    wants_logprobs = bool(body.get("logprobs"))
-    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    prompt_ids: list[int] = []
-    ids: list[int] = []
-    lps: list[float] = []
-    text: list[str] = []
-    tool_calls: dict[int, dict[str, Any]] = {}
-    finish = usage = first = None
     try:
+        wants_logprobs = bool(body.get("logprobs"))
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        prompt_ids: list[int] = []
+        ids: list[int] = []
+        lps: list[float] = []
+        text: list[str] = []
+        tool_calls: dict[int, dict[str, Any]] = {}
+        finish = usage = first = None
+        done = False
         payload = {**upstream, "model": policy.model, "stream": True, "stream_options": {"include_usage": True}}
         try:
             try:
@@ -371,19 +495,29 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        done = True
                         break
                     chunk = orjson.loads(data)
+                    if not isinstance(chunk, dict):
+                        raise MalformedUpstream("a stream chunk is not an object")
                     first = first or chunk
-                    prompt_ids = chunk.pop("prompt_token_ids", None) or prompt_ids
+                    prompt_ids = _int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or prompt_ids
                     for field in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
                         chunk.pop(field, None)
-                    for ch in chunk.get("choices") or []:
+                    choices = chunk.get("choices") or []
+                    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                        raise MalformedUpstream("'choices' is not a list of objects")
+                    for ch in choices:
                         if ch.get("index", 0) == 0:
-                            ids += ch.get("token_ids") or []
+                            ids += _int_list(ch.get("token_ids"), "token_ids")
                             lp = ch.get("logprobs") or {}
-                            lps += [float(t.get("logprob", 0.0)) for t in lp.get("content") or []]
+                            content = lp.get("content") or []
+                            lps += _FLOATS.validate_python([t.get("logprob", 0.0) for t in content], strict=True)
                             delta = ch.get("delta") or {}
-                            text.append(delta.get("content") or "")
+                            piece = delta.get("content") or ""
+                            if not isinstance(piece, str):
+                                raise MalformedUpstream("'delta.content' is not a string")
+                            text.append(piece)
                             for tc in delta.get("tool_calls") or []:
                                 acc = tool_calls.setdefault(tc.get("index", 0), {"id": None, "type": "function",
                                                                                   "function": {"name": "", "arguments": ""}})
@@ -392,11 +526,15 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                                 acc["function"]["name"] += fn.get("name") or ""
                                 acc["function"]["arguments"] += fn.get("arguments") or ""
                             finish = ch.get("finish_reason") or finish
+                            if finish is not None and not isinstance(finish, str):
+                                raise MalformedUpstream("'finish_reason' is not a string")
                         ch.pop("token_ids", None)
                         if not wants_logprobs:
                             ch["logprobs"] = None
                     if chunk.get("usage"):
                         usage = chunk["usage"]
+                        if not isinstance(usage, dict):
+                            raise MalformedUpstream("'usage' is not an object")
                         if not wants_usage:
                             continue
                     if "model" in body:
@@ -409,8 +547,11 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                 st.engines.mark_down(engine)
             raise ApiError(502, f"upstream stream failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None
-        except orjson.JSONDecodeError:
-            raise ApiError(502, "upstream sent a malformed stream", "server_error", "upstream_error") from None
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # JSON errors, MalformedUpstream...
+            raise ApiError(502, f"upstream sent a malformed stream ({type(exc).__name__})", "server_error",
+                           "upstream_error") from None
+        if not done:
+            raise ApiError(502, "upstream stream ended before [DONE]", "server_error", "upstream_error")
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
         if tool_calls:
             message["tool_calls"] = [tool_calls[k] for k in sorted(tool_calls)]
@@ -440,4 +581,4 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                 await record_failure(st, rec, err, t0)
         yield _sse_error(err)
     finally:
-        st.gate.leave()
+        slot.release()

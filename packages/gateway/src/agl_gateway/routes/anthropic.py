@@ -39,6 +39,8 @@ async def count_tokens(request: Request):
                                                              **({"tools": chat["tools"]} if chat.get("tools") else {})}),
                                   headers={"content-type": "application/json"})
         count = resp.json()["count"]
-    except (httpx.HTTPError, ValueError, KeyError, NoEngine):
+        if resp.status_code != 200 or type(count) is not int:
+            raise ValueError("no token count")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, NoEngine):  # TypeError: a non-object answer
         raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error") from None
     return {"input_tokens": count}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from agl_common.schemas import EventIn, RewardIn, Rollout
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -26,6 +28,8 @@ async def reward(request: Request):
     """Set the attempt's reward (last write wins). 404 unknown rollout, 409 stale attempt."""
     st = state_of(request)
     body: RewardIn = await _parse(request, RewardIn)
+    if not math.isfinite(body.value):  # "inf"/"nan" parse as floats but would be stored as null
+        raise bad_request("invalid body: 'value' must be a finite number")
     ident = await resolve_identity(request, st)
 
     def change(r: Rollout) -> None:

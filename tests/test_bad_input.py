@@ -1,0 +1,473 @@
+"""Bad input, property-based (hypothesis): every gateway route gets malformed, oversized and wrongly typed
+bodies, bad headers, and an upstream that answers garbage or cuts its stream.
+
+Invariants checked after every example:
+- never a 500, never a crash (``/healthz`` answers), every non-2xx is JSON in the OpenAI shape (Anthropic's
+  on ``/messages`` routes);
+- the gateway's pause gate is back to 0 in flight and 0 held (a leaked slot would block every drain);
+- every upstream model call that reached the recording step left exactly one record, and every record in
+  Redis validates as :class:`CallRecord`, with ``seq`` 0, 1, 2... per attempt (no gap, no duplicate).
+
+The gateway runs in-process over real HTTP (uvicorn thread) against a programmable fake upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+import httpx
+import orjson
+import pytest
+import redis
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_gateway import GatewaySettings, create_app
+from fakes import Served
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+MAX_BODY = 16 * 1024
+
+
+def dumps(obj) -> bytes:
+    """JSON bytes of anything hypothesis draws (stdlib: orjson refuses ints over 64 bits)."""
+    return json.dumps(obj, ensure_ascii=False).encode()
+H = settings(max_examples=int(os.environ.get("AGL_HYPOTHESIS_EXAMPLES", "40")), deadline=None, database=None,
+             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------------------- fake upstream
+def good_chat(prompt_len: int = 3) -> dict:
+    ids = [7, 8, 9, 2]
+    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "up",
+            "prompt_token_ids": list(range(1, prompt_len + 1)),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "the answer is 7"},
+                         "finish_reason": "stop", "token_ids": ids,
+                         "logprobs": {"content": [{"token": str(t), "logprob": -0.5} for t in ids]}}],
+            "usage": {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}}
+
+
+def good_completion() -> dict:
+    return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "up",
+            "choices": [{"index": 0, "text": " 7", "finish_reason": "stop", "token_ids": [5, 2],
+                         "prompt_token_ids": [1, 2, 3],
+                         "logprobs": {"tokens": ["5", "2"], "token_logprobs": [-0.5, -0.25]}}]}
+
+
+def good_stream_chunks() -> list[bytes]:
+    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "up"}
+    out = [dumps({**base, "prompt_token_ids": [1, 2, 3],
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
+    for k, (piece, tid) in enumerate(zip(["the ", "answer ", "is 7", ""], [7, 8, 9, 2])):
+        out.append(dumps({**base, "choices": [{
+            "index": 0, "delta": {"content": piece}, "token_ids": [tid],
+            "logprobs": {"content": [{"token": piece, "logprob": -0.1}]},
+            "finish_reason": "stop" if k == 3 else None}]}))
+    out.append(dumps({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                                                             "total_tokens": 7}}))
+    return [b"data: " + c + b"\n\n" for c in out]
+
+
+class Upstream:
+    """vLLM-shaped by default; ``plan`` makes the next answers garbage.
+
+    plan: ``("body", status, bytes)`` for any model route, or ``("stream", [sse bytes], end)`` with end in
+    ``done`` (``data: [DONE]``), ``eof`` (clean end without [DONE]) or ``cut`` (connection dropped).
+    ``model_calls`` counts arrivals on the model routes (each must leave exactly one record).
+    """
+
+    def __init__(self):
+        self.plan = None
+        self.model_calls = 0
+        self.lock = threading.Lock()
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models), Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"])])
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": "up", "object": "model"}]})
+
+    async def tokenize(self, request: Request):
+        if self.plan and self.plan[0] == "body":
+            return Response(self.plan[2], status_code=self.plan[1], media_type="application/json")
+        return JSONResponse({"count": 12, "tokens": []})
+
+    def _count(self):
+        with self.lock:
+            self.model_calls += 1
+
+    async def chat(self, request: Request):
+        body = await request.json()
+        self._count()
+        plan = self.plan
+        if plan and plan[0] == "body":
+            return Response(plan[2], status_code=plan[1], media_type="application/json")
+        if body.get("stream"):
+            chunks, end = (plan[1], plan[2]) if plan else (good_stream_chunks(), "done")
+
+            async def gen():
+                for c in chunks:
+                    yield c
+                    await asyncio.sleep(0)
+                if end == "done":
+                    yield b"data: [DONE]\n\n"
+                elif end == "cut":
+                    raise ConnectionResetError("upstream died mid-stream")
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return JSONResponse(good_chat())
+
+    async def completions(self, request: Request):
+        await request.body()
+        self._count()
+        if self.plan and self.plan[0] == "body":
+            return Response(self.plan[2], status_code=self.plan[1], media_type="application/json")
+        return JSONResponse(good_completion())
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+class Env:
+    def __init__(self, gw, up: Upstream, r: redis.Redis, prefix: str, app):
+        self.gw, self.up, self.r, self.prefix, self.app = gw, up, r, prefix, app
+        self.client = httpx.Client(timeout=30)
+
+    @property
+    def gate(self):
+        return self.app.state.agl.gate
+
+    def n_records(self) -> int:
+        return sum(self.r.xlen(k) for k in self.r.scan_iter(match=self.prefix + "calls:*", count=1000))
+
+
+@pytest.fixture(scope="module")
+def env(redis_url):
+    prefix = f"test-bad-{uuid.uuid4().hex[:8]}:"
+    r = redis.Redis.from_url(redis_url)
+    for rid, attempt in (("r1", "0"), ("r2", "1")):
+        r.set(prefix + "rollout:" + rid, Rollout(rollout_id=rid, attempt_id=attempt,
+                                                 status=RolloutStatus.running).model_dump_json())
+    up = Upstream()
+    with Served(up.app) as ups:
+        app = create_app(GatewaySettings(upstream=ups.url, redis_url=redis_url, prefix=prefix, model="agent-model",
+                                         max_body_bytes=MAX_BODY, heartbeat_s=0.5, upstream_timeout_s=10))
+        with Served(app) as gw:
+            e = Env(gw, up, r, prefix, app)
+            from agl_gateway import translate
+            translate.warm()  # LiteLLM's import takes seconds: not inside a hypothesis example
+            yield e
+            e.client.close()
+            check_all_records(e)
+    keys = list(r.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+def check_all_records(e: Env) -> None:
+    """Every record validates; seq is 0..n-1 per (rollout, attempt), each once."""
+    seqs = defaultdict(list)
+    for key in e.r.scan_iter(match=e.prefix + "calls:*", count=1000):
+        for _, fields in e.r.xrange(key):
+            rec = CallRecord.model_validate_json(fields[b"d"])
+            seqs[(rec.rollout_id, rec.attempt_id)].append(rec.seq)
+            assert rec.ended_at >= rec.started_at > 0
+            if rec.response_logprobs is not None:
+                assert len(rec.response_logprobs) == len(rec.response_token_ids)
+    for k, s in seqs.items():
+        assert sorted(s) == list(range(len(s))), (k, sorted(s))
+
+
+# ----------------------------------------------------------------------------------------- helpers
+MODEL_ROUTES = ["chat/completions", "completions", "messages", "messages/count_tokens", "responses"]
+VALID = {
+    "chat/completions": {"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "max_tokens": 5},
+    "completions": {"model": "m", "prompt": "3+4=", "max_tokens": 5},
+    "messages": {"model": "claude", "max_tokens": 5, "messages": [{"role": "user", "content": "3+4?"}]},
+    "messages/count_tokens": {"model": "claude", "messages": [{"role": "user", "content": "3+4?"}]},
+    "responses": {"model": "m", "input": "3+4?"},
+    "reward": {"value": 0.5, "message": "ok"},
+    "events": {"type": "tool", "data": {"n": 1}},
+}
+FIELDS = ["model", "messages", "max_tokens", "stream", "stream_options", "n", "tools", "tool_choice", "logprobs",
+          "top_logprobs", "temperature", "prompt", "input", "system", "instructions", "value", "message", "type",
+          "data", "content", "x-unknown", "response_format", "stop", "seed"]
+
+leaf = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
+        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+json_values = st.recursive(leaf, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=6), ch,
+                                                                                          max_size=3),
+                           max_leaves=8)
+
+
+@st.composite
+def bodies(draw, route: str) -> tuple[bytes, dict]:
+    """(raw body, extra httpx kwargs): a mutated valid body, or bytes that are not one."""
+    valid = VALID[route]
+    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "json", "bytes", "bad_utf8", "truncated",
+                                 "oversized", "oversized_chunked", "deep"]))
+    if kind == "mutate":
+        body = dict(valid)
+        for field in draw(st.lists(st.sampled_from(FIELDS + list(valid)), min_size=1, max_size=3)):
+            if draw(st.booleans()) and field in body:
+                del body[field]
+            else:
+                body[field] = draw(json_values)
+        return dumps(body), {}
+    if kind == "json":
+        return dumps(draw(json_values)), {}
+    if kind == "bytes":
+        return draw(st.binary(max_size=64)), {}
+    if kind == "bad_utf8":
+        raw = dumps(valid)
+        i = draw(st.integers(0, len(raw)))
+        return raw[:i] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])) \
+            + raw[i:], {}
+    if kind == "truncated":
+        raw = dumps(valid)
+        return raw[:draw(st.integers(0, len(raw) - 1))], {}
+    if kind == "deep":
+        n = draw(st.integers(100, 3000))
+        return b'{"model": "m", "messages": ' + b"[" * n + b"]" * n + b"}", {}
+    raw = dumps({**valid, "pad": "x" * MAX_BODY})
+    if kind == "oversized":
+        return raw, {}
+    return b"", {"content": iter([raw[i:i + 4096] for i in range(0, len(raw), 4096)])}  # chunked, no length
+
+
+def target(e: Env, route: str, form: str, attempt: str | None = "0") -> tuple[str, dict]:
+    if route in ("reward", "events"):
+        return f"{e.gw.url}/rollouts/r1/attempts/0/{route}", {}
+    if form == "path":
+        return f"{e.gw.url}/rollouts/r1/attempts/0/v1/{route}", {}
+    headers = {"X-AGL-Rollout-Id": "r1"}
+    if attempt is not None:
+        headers["X-AGL-Attempt-Id"] = attempt
+    return f"{e.gw.url}/v1/{route}", headers
+
+
+def check_response(url: str, resp: httpx.Response) -> None:
+    assert resp.status_code < 500 or resp.status_code in (502, 503, 504), (resp.status_code, resp.text[:500])
+    if resp.status_code < 400:
+        return
+    body = resp.json()  # every error is JSON
+    if url.endswith(("/messages", "/messages/count_tokens")):
+        assert body["type"] == "error" and isinstance(body["error"]["type"], str), body
+        assert isinstance(body["error"]["message"], str), body
+    else:
+        err = body["error"]
+        assert isinstance(err["message"], str) and isinstance(err["type"], str), body
+        assert err["code"] is None or isinstance(err["code"], str), body
+
+
+def settle(e: Env, before_calls: int, before_records: int) -> None:
+    """The gate is back to idle and each upstream model call left exactly one record."""
+    deadline = time.monotonic() + 5
+    while (e.gate.in_flight or e.gate.held) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert e.gate.in_flight == 0 and e.gate.held == 0, "a gate slot leaked"
+    assert e.n_records() - before_records == e.up.model_calls - before_calls
+
+
+def post(e: Env, url: str, raw: bytes, headers: dict, kw: dict) -> httpx.Response:
+    headers = {"content-type": "application/json", **headers}
+    if "content" in kw:
+        return e.client.post(url, headers=headers, **kw)
+    return e.client.post(url, content=raw, headers=headers)
+
+
+# ----------------------------------------------------------------------------------------- the tests
+@H
+@given(data=st.data(), route=st.sampled_from(MODEL_ROUTES + ["reward", "events"]),
+       form=st.sampled_from(["path", "header"]), attempt=st.sampled_from(["0", None]))
+def test_malformed_bodies_on_every_route(env, data, route, form, attempt):
+    raw, kw = data.draw(bodies(route))
+    url, headers = target(env, route, form, attempt)
+    calls, records = env.up.model_calls, env.n_records()
+    resp = post(env, url, raw, headers, kw)
+    check_response(url, resp)
+    if resp.status_code == 200 and "text/event-stream" in resp.headers.get("content-type", ""):
+        assert resp.text.endswith("data: [DONE]\n\n") or "message_stop" in resp.text \
+            or "response.completed" in resp.text or '"error"' in resp.text
+    if "oversized" in str(kw) or len(raw) > MAX_BODY:
+        assert resp.status_code == 413
+    settle(env, calls, records)
+
+
+def good_body_for(route: str) -> dict:
+    return good_completion() if route == "completions" else good_chat()
+
+
+PATHS = [("prompt_token_ids",), ("choices",), ("choices", 0), ("choices", 0, "token_ids"),
+         ("choices", 0, "token_ids", 1), ("choices", 0, "logprobs"), ("choices", 0, "logprobs", "content"),
+         ("choices", 0, "logprobs", "content", 0), ("choices", 0, "logprobs", "content", 0, "logprob"),
+         ("choices", 0, "finish_reason"), ("choices", 0, "message"), ("choices", 0, "message", "content"),
+         ("choices", 0, "message", "tool_calls"), ("choices", 0, "text"), ("choices", 0, "prompt_token_ids"),
+         ("choices", 0, "logprobs", "token_logprobs"), ("usage",), ("model",), ("id",), ("error",)]
+
+
+def corrupt(obj, path, value):
+    """A copy of ``obj`` with the value at ``path`` replaced (or the path dropped when value is ...)."""
+    obj = orjson.loads(dumps(obj))
+    cur = obj
+    for p in path[:-1]:
+        try:
+            cur = cur[p]
+        except (KeyError, IndexError, TypeError):
+            return obj
+    try:
+        if value is ...:
+            del cur[path[-1]]
+        else:
+            cur[path[-1]] = value
+    except (KeyError, IndexError, TypeError):
+        pass
+    return obj
+
+
+weird = json_values | st.sampled_from(["nan", "inf", "-inf", "abort", "1.5", [1.5, 2], [-1], ["a"], [True],
+                                       [2**80], {"content": "x"}, [None], ...])
+
+
+@st.composite
+def upstream_plans(draw, route: str, stream: bool):
+    kind = draw(st.sampled_from(["corrupt", "corrupt", "corrupt", "missing_ids", "json", "bytes", "status"]
+                                + (["stream"] * 4 if stream else [])))
+    if kind == "corrupt":
+        body = good_body_for(route)
+        for _ in range(draw(st.integers(1, 2))):
+            body = corrupt(body, draw(st.sampled_from(PATHS)), draw(weird))
+        return ("body", 200, dumps(body))
+    if kind == "missing_ids":
+        body = corrupt(corrupt(good_body_for(route), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...)
+        return ("body", 200, dumps(body))
+    if kind == "json":
+        return ("body", draw(st.sampled_from([200, 400, 404, 422, 500, 503])), dumps(draw(json_values)))
+    if kind == "bytes":
+        return ("body", draw(st.sampled_from([200, 500])), draw(st.binary(max_size=40)))
+    if kind == "status":
+        return ("body", draw(st.sampled_from([401, 403, 404, 418, 429, 500, 502])),
+                dumps({"error": {"message": draw(json_values)}}))
+    chunks = good_stream_chunks()
+    cut_at = draw(st.integers(0, len(chunks)))
+    chunks = chunks[:cut_at] + draw(st.lists(
+        st.sampled_from([b"data: {not json\n\n", b"data: [1, 2]\n\n", b"data: null\n\n", b": comment\n\n",
+                         b"event: x\n\n", b"data: \xff\xfe\n\n"])
+        | st.builds(lambda p, v: b"data: " + dumps(corrupt(orjson.loads(chunks[min(1, len(chunks) - 1)][6:]),
+                                                                  p, v)) + b"\n\n",
+                    st.sampled_from([("choices",), ("choices", 0), ("choices", 0, "token_ids"),
+                                     ("choices", 0, "delta"), ("choices", 0, "logprobs"),
+                                     ("choices", 0, "logprobs", "content"), ("prompt_token_ids",), ("usage",),
+                                     ("choices", 0, "delta", "tool_calls"), ("choices", 0, "finish_reason")]),
+                    weird), max_size=2))
+    return ("stream", chunks, draw(st.sampled_from(["done", "eof", "cut"])))
+
+
+@H
+@given(data=st.data(), route=st.sampled_from(["chat/completions", "chat/completions", "completions", "messages",
+                                              "messages/count_tokens", "responses"]),
+       stream=st.booleans())
+def test_upstream_garbage_never_a_500_or_a_bad_record(env, data, route, stream):
+    stream = stream and route != "completions"
+    plan = data.draw(upstream_plans(route if route != "messages/count_tokens" else "chat/completions",
+                                    stream and route == "chat/completions"))
+    url, headers = target(env, route, "path")
+    body = {**VALID[route], **({"stream": True} if stream else {})}
+    calls, records = env.up.model_calls, env.n_records()
+    env.up.plan = plan
+    try:
+        resp = post(env, url, dumps(body), headers, {})
+    finally:
+        env.up.plan = None
+    check_response(url, resp)
+    if resp.status_code == 200 and stream:  # a stream either ends normally or carries an error event
+        assert resp.text.rstrip().endswith(("data: [DONE]", '"message_stop"}', "}")), resp.text[-300:]
+    settle(env, calls, records)
+
+
+@pytest.mark.parametrize("end", ["eof", "cut"])
+def test_stream_cut_short_is_an_error_not_a_complete_answer(env, end):
+    """An upstream that closes mid-stream: the agent gets an error event, never ``[DONE]``; the record says error."""
+    calls, records = env.up.model_calls, env.n_records()
+    env.up.plan = ("stream", good_stream_chunks()[:3], end)
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                               json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    assert resp.status_code == 200 and "data: [DONE]" not in resp.text and '"error"' in resp.text
+    settle(env, calls, records)
+    last = env.r.xrevrange(env.prefix + "calls:r1", count=1)[0][1][b"d"]
+    assert CallRecord.model_validate_json(last).status == "error"
+
+
+def test_missing_token_ids_are_recorded_without_tokens(env):
+    calls, records = env.up.model_calls, env.n_records()
+    body = corrupt(corrupt(good_chat(), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...)
+    env.up.plan = ("body", 200, dumps(body))
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                               json=VALID["chat/completions"])
+    finally:
+        env.up.plan = None
+    assert resp.status_code == 200
+    settle(env, calls, records)
+    rec = CallRecord.model_validate_json(env.r.xrevrange(env.prefix + "calls:r1", count=1)[0][1][b"d"])
+    assert rec.response_token_ids == [] and rec.prompt_token_ids == [] and rec.response_logprobs is None
+
+
+def test_bad_headers_and_paths(env):
+    c, gw = env.client, env.gw.url
+    chat = VALID["chat/completions"]
+    calls, records = env.up.model_calls, env.n_records()
+    cases = [
+        # attempt ids that are digits to str.isdigit() but not decimal strings
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": b"\xb2"}, 400),
+        (f"{gw}/rollouts/r1/attempts/%D9%A3/v1/chat/completions", {}, 400),
+        (f"{gw}/rollouts/r1/attempts/%C2%B2/reward", {}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": "-1"}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "", "X-AGL-Attempt-Id": "0"}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 200),  # attempt defaults to current (1)
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r2", "X-AGL-Attempt-Id": "0"}, 409),
+        (f"{gw}/rollouts/%FF%FE/attempts/0/v1/chat/completions", {}, 404),
+        (f"{gw}/rollouts/r1/attempts/0/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 200),  # path wins
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 8000}, 404),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-Junk": "j" * 8000}, 200),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Content-Type": "text/plain"}, 200),
+    ]
+    for url, headers, status in cases:
+        resp = c.post(url, json=chat, headers=headers)
+        assert resp.status_code == status, (url, headers.keys(), resp.status_code, resp.text[:300])
+        check_response(url, resp)
+    for method, path in (("GET", "/v1/chat/completions"), ("PUT", "/rollouts/r1/attempts/0/reward"),
+                         ("DELETE", "/v1/messages")):
+        resp = c.request(method, gw + path)
+        assert resp.status_code in (404, 405) and resp.json()["error"]["message"] if "messages" not in path \
+            else resp.json()["type"] == "error"
+    settle(env, calls, records)
+    assert c.get(gw + "/healthz").status_code == 200
+
+
+def test_still_alive_after_everything(env):
+    assert env.client.get(env.gw.url + "/healthz").json() == {"status": "ok"}
+    assert env.client.get(env.gw.url + "/metrics").status_code == 200
+    check_all_records(env)
+
+
+def test_reward_must_be_a_finite_number(env):
+    """"inf"/"nan" strings parse as floats, but a stored reward of inf is written as null: refused with 400."""
+    url = f"{env.gw.url}/rollouts/r1/attempts/0/reward"
+    for value in ("inf", "-Infinity", "nan", "1e999"):
+        resp = env.client.post(url, json={"value": value})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (value, resp.text)
+    assert env.client.post(url, json={"value": "0.25"}).status_code == 200
+    stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:r1"))
+    assert stored.reward == 0.25
