@@ -224,6 +224,7 @@ async def test_models_and_metrics(store, redis_url, prefix, upstream):
         text = httpx.get(f"{gw.url}/metrics").text
     assert 'agl_gateway_requests_total{route="/rollouts/{rollout_id}/attempts/{attempt_id}/v1/chat/completions",status="200"} 1.0' in text
     assert "agl_gateway_tokens_total" in text
+    assert 'agl_gateway_added_seconds_count{route="chat"} 1.0' in text
 
 
 async def test_rollouts_pinned_to_one_engine_and_failover(store, redis_url, prefix):

@@ -15,43 +15,27 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from agl_common.auth import key_allows
 from agl_common.schemas import TERMINAL, CallRecord, Policy, Rollout, RolloutStatus
 from agl_common.store import RolloutNotFound, Store
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect
 
 from .engines import Engines, NoEngine
+from .capture import (MAX_JSON_DEPTH, MalformedUpstream, agent_view, extract_tokens, float_list, int_list,
+                      too_deep)
 from .errors import ApiError, bad_request
 from .gate import HeldTooLong, PauseGate
 from .settings import GatewaySettings
 
 log = logging.getLogger("agl.gateway")
 
+JSON_HEADERS = {"content-type": "application/json"}
 STORE_DOWN = "the gateway's store (Redis) is unavailable; retry later"
-
-#: Deepest JSON nesting accepted in a request body or an upstream answer. A record embeds both one level
-#: down and must stay readable by ``CallRecord.model_validate_json`` (whose parser stops at ~200 levels).
-MAX_JSON_DEPTH = 64
-
-
-def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
-    stack = [(obj, 1)]
-    while stack:
-        o, depth = stack.pop()
-        if depth > limit:
-            return True
-        for v in (o.values() if isinstance(o, dict) else o):
-            if isinstance(v, (dict, list)):
-                stack.append((v, depth + 1))
-    return False
-
 
 @dataclass
 class Identity:
@@ -68,7 +52,7 @@ class GatewayState:
 
     settings: GatewaySettings
     store: Store
-    http: httpx.AsyncClient
+    http: aiohttp.ClientSession
     gate: PauseGate
     policy: Policy
     metrics: Any
@@ -179,110 +163,28 @@ async def forward_json(st: GatewayState, path: str, body: dict[str, Any], rollou
             raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
         tried.add(base)
         try:
-            resp = await st.http.post(base + path, content=orjson.dumps(body),
-                                      headers={"content-type": "application/json"})
+            async with st.http.post(base + path, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
+                status, content = resp.status, await resp.read()
             break
-        except httpx.TimeoutException:
+        except TimeoutError:
             raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
-        except httpx.ConnectError:
+        except aiohttp.ClientConnectorError:
             st.engines.mark_down(base)
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise ApiError(502, f"upstream engine failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None
     try:
-        data = orjson.loads(resp.content)
+        data = orjson.loads(content)
     except orjson.JSONDecodeError:
         data = None
-    if resp.status_code >= 500 or not isinstance(data, dict):
-        raise ApiError(502, f"upstream engine failed with status {resp.status_code}", "server_error",
-                       "upstream_error")
-    if resp.status_code >= 400:
+    if status >= 500 or not isinstance(data, dict):
+        raise ApiError(502, f"upstream engine failed with status {status}", "server_error", "upstream_error")
+    if status >= 400:
         err = data.get("error") if isinstance(data.get("error"), dict) else {}
-        msg = err.get("message") or data.get("message") or f"upstream refused the request ({resp.status_code})"
-        raise ApiError(resp.status_code if resp.status_code != 401 else 502, str(msg), "invalid_request_error",
+        msg = err.get("message") or data.get("message") or f"upstream refused the request ({status})"
+        raise ApiError(status if status != 401 else 502, str(msg), "invalid_request_error",
                        "upstream_rejected")
     return data
-
-
-class MalformedUpstream(ValueError):
-    """The engine answered 2xx with fields of the wrong type (or unserializable / too deeply nested)."""
-
-
-_INTS = TypeAdapter(list[int])
-_FLOATS = TypeAdapter(list[float])
-
-
-def _int_list(value: Any, what: str) -> list[int]:
-    """``value`` as a list of ints (``None`` or missing: ``[]``); strict, so a bad record is never written."""
-    if value is None:
-        return []
-    try:
-        return _INTS.validate_python(value, strict=True)
-    except ValidationError:
-        raise MalformedUpstream(f"{what} is not a list of integers") from None
-
-
-def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None, str | None]:
-    """Token ids and logprobs from a vLLM answer with ``return_token_ids``/``logprobs`` on.
-
-    Returns ``(prompt_token_ids, response_token_ids, response_logprobs, finish_reason)`` of choice 0.
-    ``response_logprobs`` is ``None`` if the engine returned none or a list of another length. Missing
-    fields give empty lists; fields of the wrong type raise :class:`MalformedUpstream`.
-    """
-    choices = data.get("choices")
-    if choices is None:
-        choices = []
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise MalformedUpstream("'choices' is not a list of objects")
-    choice = choices[0] if choices else {}
-    prompt_ids = _int_list(data.get("prompt_token_ids") or choice.get("prompt_token_ids"), "prompt_token_ids")
-    response_ids = _int_list(choice.get("token_ids"), "token_ids")
-    logprobs = None
-    lp = choice.get("logprobs")
-    if lp is not None and not isinstance(lp, dict):
-        raise MalformedUpstream("'logprobs' is not an object")
-    raw = None
-    if isinstance(lp, dict):
-        if route == "chat" and isinstance(lp.get("content"), list):
-            if not all(isinstance(t, dict) for t in lp["content"]):
-                raise MalformedUpstream("'logprobs.content' is not a list of objects")
-            raw = [t.get("logprob", 0.0) for t in lp["content"]]
-        elif route == "completions" and isinstance(lp.get("token_logprobs"), list):
-            raw = [x if x is not None else 0.0 for x in lp["token_logprobs"]]
-    if raw is not None:
-        try:
-            logprobs = _FLOATS.validate_python(raw, strict=True)
-        except ValidationError:
-            raise MalformedUpstream("logprobs are not numbers") from None
-    if logprobs is not None and len(logprobs) != len(response_ids):
-        logprobs = None
-    finish = choice.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise MalformedUpstream("'finish_reason' is not a string")
-    return prompt_ids, response_ids, logprobs, finish
-
-
-def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
-    """The engine's answer minus what only the recorder asked for (token ids; logprobs unless requested)."""
-    out = dict(data)
-    out.pop("prompt_token_ids", None)
-    for field in ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params"):
-        out.pop(field, None)
-    if "model" in request:
-        out["model"] = request["model"]
-    wants_logprobs = bool(request.get("logprobs"))
-    choices = []
-    for choice in out.get("choices") or []:
-        if isinstance(choice, dict):
-            choice = dict(choice)
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-            if not wants_logprobs:
-                choice["logprobs"] = None
-        choices.append(choice)
-    if "choices" in out:
-        out["choices"] = choices
-    return out
 
 
 async def record(st: GatewayState, rec: CallRecord) -> CallRecord:
@@ -344,6 +246,7 @@ async def enter_gate(st: GatewayState) -> None:
 async def model_call(request: Request, spec: RouteSpec) -> Response:
     """The full path of one call on a model route; returns the agent's answer (JSON or SSE)."""
     st = state_of(request)
+    t_call = time.perf_counter()
     body = await read_json(request, st.settings.max_body_bytes)
     ident = await resolve_identity(request, st)
     check_callable(ident)
@@ -369,8 +272,11 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
         return SlotStreamingResponse(stream_chat(st, ident, spec, body, upstream, slot), slot,
                                      media_type="text/event-stream")
     token_route = "completions" if spec.path == "/completions" else "chat"  # the engine's answer shape
+    waited = 0.0  # seconds held by a pause or spent on aborted tries: not added by the gateway
     for _ in range(MAX_ABORT_RETRIES):
+        t_gate = time.perf_counter()
         await enter_gate(st)
+        waited += time.perf_counter() - t_gate
         try:
             policy = st.policy
             rec = new_record(ident, spec, body, policy)
@@ -380,6 +286,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             except ApiError as err:
                 await record_failure(st, rec, err, t0)
                 raise
+            upstream_s = time.perf_counter() - t0
             try:
                 prompt_ids, response_ids, logprobs, finish = extract_tokens(token_route, data)
                 if finish not in ABORTED:
@@ -398,6 +305,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             if finish in ABORTED:  # cut by a weight update: record, then retry once the gate reopens
                 await record_failure(st, rec, ApiError(503, "upstream aborted the request", "server_error",
                                                        "upstream_aborted"), t0)
+                waited += time.perf_counter() - t0
                 continue
             rec.response = answer
             rec.prompt_token_ids, rec.response_token_ids, rec.response_logprobs = prompt_ids, response_ids, logprobs
@@ -406,6 +314,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             rec.ended_at = time.time()
             await record(st, rec)
             observe(st, rec)
+            st.metrics.added_seconds.labels(spec.route).observe(time.perf_counter() - t_call - waited - upstream_s)
         finally:
             st.gate.leave()
         if isinstance(out, list):
@@ -483,14 +392,14 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                 engine = st.engines.pick(ident.rollout_id)
             except NoEngine:
                 raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
-            async with st.http.stream("POST", engine + spec.path, content=orjson.dumps(payload),
-                                      headers={"content-type": "application/json"}) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise ApiError(502 if resp.status_code >= 500 else resp.status_code,
-                                   f"upstream refused the request ({resp.status_code})", "server_error",
+            async with st.http.post(engine + spec.path, data=orjson.dumps(payload), headers=JSON_HEADERS) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    raise ApiError(502 if resp.status >= 500 else resp.status,
+                                   f"upstream refused the request ({resp.status})", "server_error",
                                    "upstream_error")
-                async for line in resp.aiter_lines():
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
@@ -501,7 +410,7 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                     if not isinstance(chunk, dict):
                         raise MalformedUpstream("a stream chunk is not an object")
                     first = first or chunk
-                    prompt_ids = _int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or prompt_ids
+                    prompt_ids = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or prompt_ids
                     for field in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
                         chunk.pop(field, None)
                     choices = chunk.get("choices") or []
@@ -509,10 +418,10 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                         raise MalformedUpstream("'choices' is not a list of objects")
                     for ch in choices:
                         if ch.get("index", 0) == 0:
-                            ids += _int_list(ch.get("token_ids"), "token_ids")
+                            ids += int_list(ch.get("token_ids"), "token_ids")
                             lp = ch.get("logprobs") or {}
                             content = lp.get("content") or []
-                            lps += _FLOATS.validate_python([t.get("logprob", 0.0) for t in content], strict=True)
+                            lps += float_list([t.get("logprob", 0.0) for t in content], "logprobs")
                             delta = ch.get("delta") or {}
                             piece = delta.get("content") or ""
                             if not isinstance(piece, str):
@@ -540,10 +449,10 @@ async def stream_chat(st: GatewayState, ident: Identity, spec: RouteSpec, body: 
                     if "model" in body:
                         chunk["model"] = body["model"]
                     yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        except httpx.TimeoutException:
+        except TimeoutError:
             raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            if isinstance(exc, httpx.ConnectError):
+        except aiohttp.ClientError as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
                 st.engines.mark_down(engine)
             raise ApiError(502, f"upstream stream failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None

@@ -6,7 +6,7 @@ Streams are synthesized from one non-streamed upstream call (so ids and logprobs
 
 from __future__ import annotations
 
-import httpx
+import aiohttp
 import orjson
 from fastapi import APIRouter, Request
 
@@ -35,12 +35,13 @@ async def count_tokens(request: Request):
     chat = anthropic_to_chat({"max_tokens": 1, **body})
     try:
         url = st.engines.pick(ident.rollout_id).removesuffix("/v1") + "/tokenize"
-        resp = await st.http.post(url, content=orjson.dumps({"model": st.policy.model, "messages": chat["messages"],
-                                                             **({"tools": chat["tools"]} if chat.get("tools") else {})}),
-                                  headers={"content-type": "application/json"})
-        count = resp.json()["count"]
-        if resp.status_code != 200 or type(count) is not int:
+        payload = {"model": st.policy.model, "messages": chat["messages"],
+                   **({"tools": chat["tools"]} if chat.get("tools") else {})}
+        async with st.http.post(url, data=orjson.dumps(payload), headers={"content-type": "application/json"}) as resp:
+            status, content = resp.status, await resp.read()
+        count = orjson.loads(content)["count"]
+        if status != 200 or type(count) is not int:
             raise ValueError("no token count")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, NoEngine):  # TypeError: a non-object answer
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, NoEngine):  # TypeError: not an object
         raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error") from None
     return {"input_tokens": count}

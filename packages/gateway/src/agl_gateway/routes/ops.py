@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+import aiohttp
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,11 +29,12 @@ async def readyz(request: Request):
     checks["upstream"] = False
     for url in st.engines.urls:  # ready when at least one engine answers
         try:
-            resp = await st.http.get(url + "/models", timeout=2.0)
-        except httpx.HTTPError:
+            async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError):
             st.engines.mark_down(url)
             continue
-        if resp.status_code == 200:
+        if status == 200:
             checks["upstream"] = True
             break
     ok = all(checks.values())
