@@ -57,7 +57,6 @@ class Rollout(BaseModel):
     failure: str | None = None
     group_id: str | None = None
     policy_version: int = 0
-    n_calls: int = 0
     created_at: float = Field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None

@@ -319,7 +319,6 @@ class Store:
             r.attempt_id = str(int(r.attempt_id) + 1)
             r.reward = r.reward_message = r.failure = None
             r.started_at = r.ended_at = None
-            r.n_calls = 0
 
         rollout = await self.update_rollout(rollout_id, change)
         if enqueue:

@@ -21,7 +21,8 @@ app.add_typer(gateway_app, name="gateway")
 
 RedisOpt = typer.Option(DEFAULT_REDIS_URL, "--redis", envvar="AGL_REDIS_URL", help="Redis URL")
 PrefixOpt = typer.Option(DEFAULT_PREFIX, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix")
-console = Console()
+# Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns.
+console = Console() if sys.stdout.isatty() else Console(width=250)
 err = Console(stderr=True)
 
 
@@ -123,13 +124,15 @@ def rollouts_create(
 
 @rollouts_app.command("list")
 def rollouts_list(limit: int = typer.Option(100), as_json: bool = typer.Option(False, "--json"),
+                  run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """The latest rollouts with their status, reward and failure."""
 
     async def main():
         store = _store(redis, prefix)
         try:
-            ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), -limit, -1)]
+            ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
+            ids = [i for i in ids if run is None or i.startswith(run)][-limit:]
             return await store.get_rollouts(ids)
         finally:
             await store.close()
@@ -178,6 +181,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
 
 @rollouts_app.command("export")
 def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout"),
+                    run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Every recorded call as JSON Lines on standard output."""
     from agl_common.store import RolloutNotFound
@@ -190,6 +194,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
                 ids = [rollout]
             else:
                 ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
+                ids = [i for i in ids if run is None or i.startswith(run)]
             for rid in ids:
                 for c in await store.read_calls(rid):
                     sys.stdout.write(c.model_dump_json() + "\n")
