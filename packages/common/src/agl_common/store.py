@@ -63,15 +63,19 @@ class Store:
     Args:
         redis_url: e.g. ``redis://127.0.0.1:6379/0``.
         prefix: key prefix, so several experiments can share one Redis.
+        max_connections: connection pool size; beyond it callers wait for a free connection.
     Errors from Redis (``redis.exceptions.ConnectionError`` and friends) propagate to the caller.
     """
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX):
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX,
+                 max_connections: int = 512):
         self.redis_url = redis_url
         self.prefix = prefix
-        self.r: aioredis.Redis = aioredis.from_url(
-            redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=10
-        )
+        # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
+        # instead of failing at once (redis-py's default pool turned load into "Too many connections").
+        self.r: aioredis.Redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max_connections, timeout=10, socket_connect_timeout=2, socket_timeout=10,
+            health_check_interval=10))
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)

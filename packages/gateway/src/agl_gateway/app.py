@@ -9,7 +9,6 @@ import time
 from contextlib import asynccontextmanager
 
 import aiohttp
-import redis.asyncio as aioredis
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.store import Store
 from fastapi import FastAPI
@@ -88,13 +87,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = Store(settings.redis_url, settings.prefix)
-        # Every concurrent call holds a Redis connection for a moment: redis-py's default pool (100, then
-        # "Too many connections" at once) turned load into 503s. Wait for a free connection instead.
-        await store.r.aclose()
-        store.r = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=settings.redis_max_connections, timeout=10,
-            socket_connect_timeout=2, socket_timeout=10, health_check_interval=10))
+        store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections)
         # aiohttp's pool costs a fraction of httpx's per call at high concurrency (bench/gateway.py). Idle
         # connections are dropped after 2 s, under the engine's own keep-alive (uvicorn, vLLM: 5 s), so a
         # connection the engine is closing is never reused.

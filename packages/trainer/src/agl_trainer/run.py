@@ -105,12 +105,12 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
         if not resume:
             await store.set_policy(Policy(model=cfg.model_name, version=0))
             await resume_gateway(store, model=cfg.model_name, version=0)
+        base_dir = ensure_base_model()
         backend = await asyncio.to_thread(
-            CpuBackend, ensure_base_model(), run_dir / "adapters", lora_rank=cfg.lora_rank,
+            CpuBackend, base_dir, run_dir / "adapters", lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap)
         # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
-        base_dir = ensure_base_model()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
         eos_ids = end_of_turn_ids(tokenizer, base_dir)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
