@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
-from agl_common.schemas import CallRecord
-from agl_trainer.advantage import grpo_advantages
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_trainer.advantage import grpo_advantages, rloo_advantages, rollout_advantages
 from agl_trainer.aggregate import AggregateStats, build_rows
+from agl_trainer.config import TrainConfig
+from agl_trainer.loop import build_batch
 from agl_trainer.loss import per_rollout_token_weights, ppo_loss
 
 
@@ -64,6 +67,33 @@ def test_grpo_advantages_hand_computed():
     assert raw[:4].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
+def test_rloo_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 5.0, 0.2, 0.8, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 3, 3, 3])
+    adv = rloo_advantages(rewards, groups)
+    # group 0: r_0 - mean(0, 0, 0) = 1; r_1 - mean(1, 0, 0) = -1/3 (x3)
+    assert adv[:4].tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    assert adv[4:6].tolist() == [0.0, 0.0]  # equal rewards: no signal
+    assert adv[6].item() == 0.0  # group of one: no other rollout to form a baseline
+    # group 3: 0.2 - (0.8 + 0.5) / 2 = -0.45; 0.8 - 0.35 = 0.45; 0.5 - 0.5 = 0
+    assert adv[7:].tolist() == pytest.approx([-0.45, 0.45, 0.0], abs=1e-6)
+    # = n/(n-1) * (r - mean): the GRPO-centered value scaled by n/(n-1), never std-normalized
+    raw = grpo_advantages(rewards, groups, norm_by_std=False)
+    assert adv[:4].tolist() == pytest.approx((raw[:4] * 4 / 3).tolist())
+    assert adv.sum().item() == pytest.approx(0.0, abs=1e-6)  # zero-mean per group
+
+
+def test_rollout_advantages_dispatch():
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 0])
+    assert torch.equal(rollout_advantages(rewards, groups, "rloo"), rloo_advantages(rewards, groups))
+    assert torch.equal(rollout_advantages(rewards, groups, "rloo", norm_by_std=False), rloo_advantages(rewards, groups))
+    assert torch.equal(rollout_advantages(rewards, groups), grpo_advantages(rewards, groups))
+    assert torch.equal(rollout_advantages(rewards, groups, "grpo", norm_by_std=False),
+                       grpo_advantages(rewards, groups, norm_by_std=False))
+    with pytest.raises(ValueError, match="estimator"):
+        rollout_advantages(rewards, groups, "ppo")
+
+
 def test_per_rollout_weights_do_not_grow_with_rows():
     # rollout 0 has two rows (3 + 1 masked tokens), rollout 1 one row (2 masked tokens)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
@@ -103,3 +133,35 @@ def test_multi_row_rollout_counts_once_in_group_and_loss():
     w = per_rollout_token_weights(mask, torch.tensor([0, 0, 1]))
     assert w[:2].sum().item() == pytest.approx(w[2].sum().item())
     assert not math.isnan(w.sum().item())
+
+
+class _Calls:
+    """Stands in for the Store in ``build_batch``: the recorded calls of each rollout."""
+
+    def __init__(self, calls: dict[str, list[CallRecord]]):
+        self.calls = calls
+
+    async def read_calls(self, rollout_id, attempt_id=None):
+        return self.calls[rollout_id]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_build_batch_advantage_per_rollout_broadcast_to_rows(estimator):
+    """``cfg.advantage`` picks the baseline; a 2-row rollout still counts once in its group."""
+    calls = {"a": [call(0, [1, 2], [3], rid="a"), call(1, [7, 7], [4, 4, 4], rid="a")],  # breaks → 2 rows
+             "b": [call(0, [1, 2], [5, 5], rid="b")], "c": [call(0, [1, 2], [6], rid="c")],
+             "d": [call(0, [1], [6], rid="d")], "e": [call(0, [1], [8], rid="e")]}
+    rewards = {"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0, "e": 1.0}
+    rollouts = [Rollout(rollout_id=r, status=RolloutStatus.succeeded, reward=v, group_id="g1" if r < "d" else "g2")
+                for r, v in rewards.items()]
+    cfg = TrainConfig(advantage=estimator)
+    rows, row_adv, _, adv_stats = asyncio.run(build_batch(_Calls(calls), rollouts, cfg))
+    assert [r.rollout_id for r in rows] == ["a", "a", "b", "c", "d", "e"]
+    if estimator == "rloo":  # 3 rollouts in g1 (not 4 rows): a: 1 - (0 + .5)/2, b: 0 - .75, c: .5 - .5
+        expected = [0.75, 0.75, -0.75, 0.0, -1.0, 1.0]
+    else:  # mean .5, unbiased std .5 over the 3 rollouts; g2: mean .5, std sqrt(.5)
+        expected = [1.0, 1.0, -1.0, 0.0, -0.5 / 0.5 ** 0.5, 0.5 / 0.5 ** 0.5]
+    assert row_adv == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert adv_stats["adv_abs_mean"] == pytest.approx(sum(abs(x) for x in expected[1:]) / 5, rel=1e-5)
+    with pytest.raises(ValueError):
+        TrainConfig(advantage="ppo")

@@ -12,6 +12,12 @@ What is compared (B rows x T tokens, 4 groups, one of them a singleton, one with
   group: verl uses mean 0 / std 1 there (advantage = reward), we give 0 (the loop drops such groups
   anyway, ``min_group_size=2``). When a rollout has 2 rows, verl counts it twice in its group's mean
   and std and the values differ, which is the point of rollout-level advantages.
+- **RLOO advantages.** Our rollout-level ``rloo_advantages`` broadcast to rows against
+  ``compute_rloo_outcome_advantage``, fetched as verl's trainer does for ``algorithm.adv_estimator=rloo``
+  (``get_adv_estimator_fn("rloo")``, called with the same keyword arguments), and its
+  ``rloo_vectorized`` twin: equal with one row per rollout, except a singleton group for ``rloo`` (raw
+  reward there, 0 for us and for ``rloo_vectorized``); with a 2-row rollout verl counts it twice
+  (``n`` and the leave-one-out mean are over rows) and differs in the groups holding one.
 - **Loss.** Our ``ppo_loss`` with per-rollout weights equals verl's ``vanilla`` policy loss with
   ``loss_agg_mode="token-mean"`` (value, gradient, clip fraction) when the weights reduce to token-mean
   (one row per rollout, the same number of sampled tokens each). Otherwise it differs from token-mean,
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agl_trainer.advantage import grpo_advantages
+from agl_trainer.advantage import grpo_advantages, rloo_advantages
 from agl_trainer.aggregate import Row
 from agl_trainer.backends import verl as adapter
 from agl_trainer.loss import per_rollout_token_weights, ppo_loss
@@ -56,6 +62,11 @@ def _rollout_advantages(norm_by_std: bool) -> torch.Tensor:
     rewards = torch.tensor([r for _, _, r, _ in ROLLOUTS])
     groups = torch.tensor([GROUPS.index(g) for _, g, _, _ in ROLLOUTS])
     return grpo_advantages(rewards, groups, norm_by_std=norm_by_std, eps=EPS)
+
+
+def _rollout_rloo() -> torch.Tensor:
+    rewards = torch.tensor([r for _, _, r, _ in ROLLOUTS])
+    return rloo_advantages(rewards, torch.tensor([GROUPS.index(g) for _, g, _, _ in ROLLOUTS]))
 
 
 def _row_table(two_rows: bool) -> list[tuple[int, str, str, float]]:
@@ -125,6 +136,9 @@ def build_inputs() -> dict:
     adv_cases = {f"{'two_rows' if two else 'one_row'}_{'std' if std else 'nostd'}": _advantage_case(two, std, 1 + i)
                  for i, (two, std) in enumerate([(False, True), (False, False), (True, True), (True, False)])}
 
+    # RLOO has no std option: norm_by_std is unused on verl's side
+    rloo_cases = {"one_row": _advantage_case(False, True, 11), "two_rows": _advantage_case(True, True, 12)}
+
     gen = torch.Generator().manual_seed(7)
     # one row per rollout, 6 sampled tokens each: per-rollout weights == token-mean
     mask = _mask(len(ROLLOUTS), gen, equal=True)
@@ -145,7 +159,7 @@ def build_inputs() -> dict:
     loss_cases["mixed_clip_higher"] = _loss_case(t["advantages"], t["response_mask"], t["old_log_probs"], logp,
                                                  rindex, clip_high=0.28, clip_c=2.5,
                                                  rollout_is_weights=t["rollout_is_weights"])
-    return {"advantage_cases": adv_cases, "loss_cases": loss_cases, "batch": batch}
+    return {"advantage_cases": adv_cases, "rloo_cases": rloo_cases, "loss_cases": loss_cases, "batch": batch}
 
 
 def _verl_python() -> Path:
@@ -228,6 +242,47 @@ def test_grpo_two_row_rollout_counts_twice_in_verl(inputs, verl_out, norm_by_std
     # both rows of a rollout get our one rollout-level value when broadcast
     a1_rows = [b for b, (_, rid, _, _) in enumerate(table) if rid == "a1"]
     assert len(a1_rows) == 2
+
+
+def test_rloo_estimator_name_resolves_to_verl_function(verl_out):
+    """``algorithm.adv_estimator=rloo`` reaches ``compute_rloo_outcome_advantage`` through verl's registry."""
+    assert verl_out["rloo_registry"] == {"rloo": "compute_rloo_outcome_advantage",
+                                         "rloo_vectorized": "compute_rloo_vectorized_outcome_advantage"}
+
+
+def test_rloo_one_row_per_rollout_matches_verl(inputs, verl_out):
+    case, theirs = inputs["rloo_cases"]["one_row"], verl_out["rloo"]["one_row"]
+    ours = _rollout_rloo()
+    assert ours[0] == pytest.approx(1.0 - (0.0 + 0.5 + 0.0) / 3)  # a0 against the mean of a1..a3
+    for b, (k, rid, g, r) in enumerate(case["table"]):
+        mask = case["response_mask"][b]
+        torch.testing.assert_close(theirs["rloo_vectorized"][b], ours[k] * mask, rtol=1e-5, atol=1e-6,
+                                   msg=f"row {b} ({rid})")
+        if g == "gD":  # a singleton group: verl's rloo keeps the raw reward (mean 0), we give 0
+            assert ours[k] == 0.0
+            torch.testing.assert_close(theirs["rloo"][b], r * mask)
+            continue
+        torch.testing.assert_close(theirs["rloo"][b], ours[k] * mask, rtol=1e-5, atol=1e-6, msg=f"row {b} ({rid})")
+    assert all(float(theirs["rloo"][b].abs().sum()) == 0.0 for b, (_, _, g, _) in enumerate(case["table"]) if g == "gC")
+
+
+def test_rloo_two_row_rollout_counts_twice_in_verl(inputs, verl_out):
+    """verl's RLOO works per row: a 2-row rollout is two samples of its group; ours counts it once."""
+    case, theirs = inputs["rloo_cases"]["two_rows"], verl_out["rloo"]["two_rows"]
+    table = case["table"]
+    ours = _rollout_rloo()
+    per_row = rloo_advantages(torch.tensor([r for _, _, _, r in table]),
+                              torch.tensor([GROUPS.index(g) for _, _, g, _ in table]))
+    diffs = {}
+    for b, (k, rid, g, _) in enumerate(table):
+        mask = case["response_mask"][b]
+        torch.testing.assert_close(theirs["rloo_vectorized"][b], per_row[b] * mask, rtol=1e-5, atol=1e-6)
+        if g == "gD":
+            continue
+        torch.testing.assert_close(theirs["rloo"][b], per_row[b] * mask, rtol=1e-5, atol=1e-6)
+        diffs[g] = max(diffs.get(g, 0.0), abs(float(per_row[b]) - float(ours[k])))
+    assert diffs["gA"] > 0.05 and diffs["gB"] > 0.05, diffs
+    assert diffs["gC"] == 0.0
 
 
 # ------------------------------------------------------------------------------------ verl: loss

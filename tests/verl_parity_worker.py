@@ -1,7 +1,7 @@
 """verl's side of tests/test_verl_parity.py, run with .venv-verl/bin/python (verl 0.9.1 on CPU).
 
 Usage: ``verl_parity_worker.py IN.pt OUT.pt``. IN holds the fixed tensors (see the test); OUT gets verl's
-results: GRPO advantages per case, vanilla policy losses and their gradients, the ``agl_per_rollout``
+results: GRPO and RLOO advantages per case, vanilla policy losses and their gradients, the ``agl_per_rollout``
 loss found through verl's registry, and a DataProto built from the adapter's batch. Only this process
 imports verl; AGL's adapter is imported from the source tree (it needs only torch there).
 """
@@ -51,6 +51,19 @@ def main(inp: str, out: str) -> None:
             token_level_rewards=case["token_level_rewards"], response_mask=case["response_mask"], index=index,
             epsilon=1e-6, norm_adv_by_std_in_grpo=case["norm_by_std"])
         res["advantages"][name] = scores
+
+    # RLOO: fetched by name, as verl's compute_advantage does for algorithm.adv_estimator=rloo (any
+    # estimator other than GAE/GRPO), and called with the keyword arguments it passes there
+    res["rloo"], res["rloo_registry"] = {}, {}
+    for est in ("rloo", "rloo_vectorized"):
+        res["rloo_registry"][est] = core_algos.get_adv_estimator_fn(est).__name__
+    for name, case in data["rloo_cases"].items():
+        res["rloo"][name] = {}
+        for est in ("rloo", "rloo_vectorized"):
+            scores, _ = core_algos.get_adv_estimator_fn(est)(
+                token_level_rewards=case["token_level_rewards"].clone(), response_mask=case["response_mask"],
+                config=None, index=np.array(case["index"], dtype=object))
+            res["rloo"][name][est] = scores
 
     # policy loss: verl's vanilla (with and without per-rollout weights) and ours through the registry
     registered = adapter.register_verl_loss()

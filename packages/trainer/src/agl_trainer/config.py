@@ -38,7 +38,10 @@ class TrainConfig(BaseModel):
     rollout_timeout_s: float = 180.0
     # algorithm
     aggregation: Literal["trajectory", "transition"] = "trajectory"
-    norm_by_std: bool = True
+    advantage: Literal["grpo", "rloo"] = Field(
+        "grpo", description="baseline of the rollout-level advantage: grpo (group mean, std-normalized if "
+        "norm_by_std) or rloo (leave-one-out mean of the other rollouts of the group, never std-normalized)")
+    norm_by_std: bool = Field(True, description="grpo only: divide by the group's reward std")
     min_group_size: int = Field(2, description="train on a group only if this many rollouts succeeded")
     lr: float = 2e-4
     lora_rank: int = 8
@@ -48,6 +51,13 @@ class TrainConfig(BaseModel):
     clip_c: float | None = 3.0
     tis_cap: float | None = Field(None, description="truncated importance sampling cap against the engine's "
                                   "logprobs (None: PPO ratio against the engine's logprobs directly)")
+    ppo_mini_batch_rollouts: int | None = Field(
+        None, ge=1, description="rollouts per optimizer step: a step's batch is split by rollout (all rows of "
+        "a rollout together, seeded order) into mini-batches of this many, one optimizer step each, loss "
+        "normalized per rollout within each (None: one step over the whole batch)")
+    max_updates_per_step: int | None = Field(
+        None, ge=1, description="at most this many optimizer steps per training step; rollouts of the "
+        "mini-batches past it are dropped and counted (dropped_rollouts, dropped_rows)")
     micro_batch_tokens: int = 1024
     max_prompt_tokens: int | None = Field(None, description="drop a row whose first prompt is longer (counted)")
     max_response_tokens: int | None = Field(

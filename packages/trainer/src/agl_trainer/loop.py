@@ -5,7 +5,7 @@ One step::
     problems ─► n rollouts each (one GRPO group) ─► controller runs the harness ─► gateway records calls
       ─► wait until every rollout of the step is succeeded/failed
       ─► group policy (failed rollouts leave their group; groups under ``min_group_size`` are dropped)
-      ─► rows from recorded token ids ─► per-rollout GRPO advantage broadcast to rows
+      ─► rows from recorded token ids ─► per-rollout advantage (GRPO or RLOO baseline) broadcast to rows
       ─► collocated cycle (pause → drained → PPO step → adapter hot-load → resume on policy-v{N})
 """
 
@@ -22,7 +22,7 @@ import torch
 from agl_common.schemas import Rollout, RolloutStatus, TERMINAL
 from agl_common.store import Store
 
-from .advantage import grpo_advantages
+from .advantage import rollout_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
 
@@ -95,6 +95,9 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
                       ) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
     """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics.
 
+    The advantage is computed once per rollout with ``cfg.advantage`` (``grpo`` or ``rloo``, see
+    :func:`agl_trainer.advantage.rollout_advantages`) and repeated for each of the rollout's rows.
+
     ``decode`` (token ids → text) and ``eos_token_ids`` go to :func:`build_rows` (merge-break classes).
     """
     stats = AggregateStats()
@@ -109,7 +112,8 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
         return [], [], stats, {}
     group_ids = {g: k for k, g in enumerate(sorted({r.group_id for r, _ in per_rollout}))}
     rewards = torch.tensor([r.reward for r, _ in per_rollout])
-    adv = grpo_advantages(rewards, torch.tensor([group_ids[r.group_id] for r, _ in per_rollout]), cfg.norm_by_std)
+    adv = rollout_advantages(rewards, torch.tensor([group_ids[r.group_id] for r, _ in per_rollout]),
+                             cfg.advantage, cfg.norm_by_std)
     rows, row_adv = [], []
     for (r, rs), a in zip(per_rollout, adv.tolist()):
         rows += rs

@@ -1,8 +1,9 @@
 """The plain-PyTorch backend: PEFT LoRA on the served model, on CPU.
 
 Each update is one optimizer step over the whole batch (gradients accumulated over micro-batches, the
-loss normalized per rollout via global token weights), then the adapter is saved with
-``save_pretrained`` so vLLM can hot-load it (``/v1/load_lora_adapter``).
+loss normalized per rollout via global token weights), or, with ``ppo_mini_batch_rollouts``, one step per
+mini-batch of that many rollouts (at most ``max_updates_per_step``; see :mod:`agl_trainer.minibatch`);
+then the adapter is saved with ``save_pretrained`` so vLLM can hot-load it (``/v1/load_lora_adapter``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from ..aggregate import Row
 from ..loss import per_rollout_token_weights, ppo_loss, truncated_is_weights
+from ..minibatch import plan_mini_batches
 
 
 class CpuBackend:
@@ -29,11 +31,15 @@ class CpuBackend:
             the engine's logprobs enter as truncated importance weights (for stale, async samples).
         bf16: run forward and backward under CPU bf16 autocast (LoRA weights and optimizer stay fp32);
             about as fast as the engine's own bf16 and closer to its logprobs.
+        ppo_mini_batch_rollouts: rollouts per optimizer step (None: one step over the whole batch).
+        max_updates_per_step: at most this many optimizer steps per update; the rest is dropped, counted.
+        seed: LoRA initialization and the mini-batch order.
     """
 
     def __init__(self, base_dir: Path, out_dir: Path, lora_rank: int = 8, lora_alpha: int = 16, lr: float = 1e-4,
                  micro_batch_tokens: int = 1024, clip_low: float = 0.2, clip_high: float = 0.2,
-                 clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None):
+                 clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None,
+                 ppo_mini_batch_rollouts: int | None = None, max_updates_per_step: int | None = None):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -51,6 +57,10 @@ class CpuBackend:
         self.pad_id = 0
         self.bf16 = bf16
         self.tis_cap = tis_cap
+        self.seed = seed
+        plan_mini_batches([], ppo_mini_batch_rollouts, max_updates_per_step)  # raises ValueError if below 1
+        self.ppo_mini_batch_rollouts = ppo_mini_batch_rollouts
+        self.max_updates_per_step = max_updates_per_step
 
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, order: list[int], rows: list[Row]) -> list[list[int]]:
@@ -102,28 +112,60 @@ class CpuBackend:
 
     # ------------------------------------------------------------------ update
     def update(self, rows: list[Row], row_advantages: list[float]) -> dict[str, float]:
-        """One optimizer step of clipped PPO over ``rows``, loss normalized per rollout.
+        """Clipped PPO over ``rows``: one optimizer step per mini-batch, loss normalized per rollout.
+
+        The rows are split by rollout with :func:`agl_trainer.minibatch.plan_mini_batches`
+        (``ppo_mini_batch_rollouts`` rollouts per step, at most ``max_updates_per_step`` steps, seeded order);
+        with neither set, one step over the whole batch. Each mini-batch's loss is the per-rollout mean over
+        *its* rollouts (:func:`per_rollout_token_weights` on its rows only). The ratio's ``old`` side is the
+        engine's recorded logprobs (or, with ``tis_cap``, the trainer's policy before the first step),
+        the same for every mini-batch.
 
         Args:
             rows: training rows; ``old_logprobs`` must be set (recorded by the engine).
             row_advantages: the rollout's advantage for each row (broadcast over its tokens).
         Returns:
-            stats: loss, clip fraction, mean ratio, gradient norm, tokens, seconds.
+            stats: ``loss`` and ``grad_norm`` (pre-clip) averaged over the optimizer steps, ``clip_frac`` and
+            ``ratio_mean`` averaged over micro-batches, ``train_tokens`` (sampled tokens trained on),
+            ``updates`` (optimizer steps), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
+            ``update_s`` (seconds).
         """
         t0 = time.perf_counter()
         self.model.train()
-        rollout_ids = sorted({r.rollout_id for r in rows})
-        rindex = {rid: k for k, rid in enumerate(rollout_ids)}
-        T = max(len(r.response_ids) for r in rows)
-        mask_all = torch.zeros((len(rows), T))
-        for b, r in enumerate(rows):
-            mask_all[b, : len(r.response_mask)] = torch.tensor(r.response_mask, dtype=torch.float32)
-        weights_all = per_rollout_token_weights(mask_all, torch.tensor([rindex[r.rollout_id] for r in rows]))
-        trainer_old = self.logprobs(rows) if self.tis_cap is not None else None
+        plan = plan_mini_batches([r.rollout_id for r in rows], self.ppo_mini_batch_rollouts,
+                                 self.max_updates_per_step, self.seed)
+        trainer_old: dict[int, list[float]] | None = None
+        if self.tis_cap is not None:
+            kept = plan.kept
+            trainer_old = dict(zip(kept, self.logprobs([rows[i] for i in kept])))
         self.model.train()
+        losses, grad_norms, clip_fracs, ratios, tokens = [], [], [], [], 0
+        for batch in plan.batches:
+            loss, norm, n_tokens = self._step(rows, row_advantages, batch, trainer_old, clip_fracs, ratios)
+            losses.append(loss)
+            grad_norms.append(norm)
+            tokens += n_tokens
+        return {"loss": sum(losses) / len(losses), "clip_frac": sum(clip_fracs) / len(clip_fracs),
+                "ratio_mean": sum(ratios) / len(ratios), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "train_tokens": tokens, "updates": len(plan.batches), "dropped_rollouts": plan.dropped_rollouts,
+                "dropped_rows": plan.dropped_rows, "update_s": time.perf_counter() - t0}
+
+    def _step(self, rows: list[Row], row_advantages: list[float], batch: list[int],
+              trainer_old: dict[int, list[float]] | None, clip_fracs: list[float],
+              ratios: list[float]) -> tuple[float, float, int]:
+        """One optimizer step on the rows ``batch`` (indices into ``rows``), gradients accumulated over
+        micro-batches. Appends per-micro-batch stats to ``clip_fracs``/``ratios``; returns
+        ``(loss, pre-clip gradient norm, sampled tokens)``."""
+        local = {i: k for k, i in enumerate(batch)}
+        rindex = {rid: k for k, rid in enumerate(sorted({rows[i].rollout_id for i in batch}))}
+        T = max(len(rows[i].response_ids) for i in batch)
+        mask_all = torch.zeros((len(batch), T))
+        for k, i in enumerate(batch):
+            mask_all[k, : len(rows[i].response_mask)] = torch.tensor(rows[i].response_mask, dtype=torch.float32)
+        weights_all = per_rollout_token_weights(mask_all, torch.tensor([rindex[rows[i].rollout_id] for i in batch]))
         self.optimizer.zero_grad(set_to_none=True)
-        total, clip_fracs, ratios = 0.0, [], []
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].response_ids))
+        total = 0.0
+        order = sorted(batch, key=lambda i: -len(rows[i].response_ids))
         for mb in self._micro_batches(order, rows):
             mb_rows = [rows[i] for i in mb]
             lp, mask = self._response_logprobs(mb_rows)
@@ -143,16 +185,15 @@ class CpuBackend:
                 for j, i in enumerate(mb):
                     old[j, : len(trainer_old[i])] = torch.tensor(trainer_old[i])
                 is_w = truncated_is_weights(old, behaviour, self.tis_cap)
-            loss, st = ppo_loss(lp, old, adv, weights_all[mb, :Tm], is_weights=is_w, **self.clip)
+            weights = weights_all[[local[i] for i in mb], :Tm]
+            loss, st = ppo_loss(lp, old, adv, weights, is_weights=is_w, **self.clip)
             loss.backward()
             total += float(loss.detach())
             clip_fracs.append(st["clip_frac"])
             ratios.append(st["ratio_mean"])
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
         self.optimizer.step()
-        return {"loss": total, "clip_frac": sum(clip_fracs) / len(clip_fracs),
-                "ratio_mean": sum(ratios) / len(ratios), "grad_norm": float(grad_norm),
-                "train_tokens": int(mask_all.sum()), "update_s": time.perf_counter() - t0}
+        return total, float(grad_norm), int(mask_all.sum())
 
     def checkpoint(self, path: Path) -> None:
         """Write the LoRA weights (PEFT format) and the optimizer state to ``path``."""
