@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -133,17 +134,40 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     assert len(steps) == 1 and steps[0]["calls_per_rollout"] >= 2 and "merge_breaks" in steps[0]
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     assert steps[0]["carried_over"] == 1  # collocated async: 3 groups in flight, 2 trained
-    # the trainer is stopped after step 1 and resumed for a second step from its checkpoint
+    # step 2: the trainer is killed (SIGKILL) mid-step, once completions are delivered and not committed;
+    # the restarted one takes them over and trains every group once: none lost, none twice
     cfg.write_text(json.dumps({**settings, "steps": 2}))
-    run2 = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg), "--resume", str(run_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    argv = [sys.executable, "-m", "agl_trainer", "train", str(cfg), "--resume", str(run_dir)]
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    group_name = f"trainer:{run_dir.name}"
+    killed = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pending: list[dict] = []
+    deadline = time.monotonic() + 900
+    while killed.poll() is None and time.monotonic() < deadline:
+        pending = r.xpending_range(prefix + "completed", group_name, "-", "+", 1000)
+        if len(pending) >= settings["groups_per_step"] * settings["group_size"]:
+            break
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    assert pending, "the trainer finished step 2 before it could be killed mid-step"
+    entries = {e[0]: e[1] for e in r.xrange(prefix + "completed")}
+    pending_groups = {entries[p["message_id"]]["gid"] for p in pending}
+    deadline = time.monotonic() + 30  # its gateway and controller die with it (PR_SET_PDEATHSIG)
+    while subprocess.run(["pgrep", "-f", "--", f"--prefix {prefix}"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "services of the killed trainer are still running"
+        time.sleep(0.5)
+    run2 = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert run2.returncode == 0, run2.stdout[-3000:] + run2.stderr[-3000:]
     assert "resumed" in run2.stdout
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "step" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    trained = redis.Redis.from_url(redis_url).smembers(prefix + "trained")
-    assert len(trained) == 4  # four distinct groups trained, none twice
+    trained = {g.decode() for g in redis.Redis.from_url(redis_url).smembers(prefix + "trained")}
+    step_groups = steps[0]["groups"] + steps[1]["groups"]
+    assert len(step_groups) == len(set(step_groups)) == len(trained) == 4 and set(step_groups) == trained
+    in_flight = {g["group_id"] for g in json.loads((run_dir / "checkpoint" / "state.json").read_text())["active"]}
+    assert pending_groups <= set(steps[1]["groups"]) | in_flight  # taken over: trained or still tracked
     export = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export"], env=env,
                             capture_output=True, text=True, timeout=120)
     records = [json.loads(line) for line in export.stdout.splitlines()]

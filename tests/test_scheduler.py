@@ -70,12 +70,81 @@ async def test_stale_groups_are_dropped_and_groups_train_once(store):
     await finish(store, fresh)
     batch = await task
     assert batch.stale_dropped == 1 and [g.group_id for g in batch.groups] == [fresh.group_id]
+    await sched.commit(batch.groups)
     # a restarted trainer adopting an already trained group skips it
-    again = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="st2")
-    await again.adopt(Group(fresh.group_id, fresh.rollout_ids, 2))
-    again.active_groups = 1
-    batch = await again.next_batch(2, timeout_s=5)
-    assert batch.groups == []
+    again = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="st", consumer="other")
+    assert not await again.adopt(Group(fresh.group_id, fresh.rollout_ids, 2))
+    assert fresh.group_id not in again.active
+
+
+async def pending(store, sched) -> int:
+    return (await store.r.xpending(store.key("completed"), sched.consumer_group))["pending"]
+
+
+async def test_a_trainer_killed_mid_step_loses_no_group_and_trains_none_twice(store):
+    """Trainer A takes a batch and dies before committing it; trainer B (same run, new process) takes
+    A's pending completions over and trains exactly those groups; a third start finds nothing to redo."""
+    a = GroupScheduler(store, INPUTS, group_size=2, train_groups=2, active_groups=3, tag="run1", consumer="A")
+    await a.top_up(0)
+    g1, g2, g3 = a.active.values()
+    await finish(store, g1)
+    await finish(store, g2)
+    batch = await a.next_batch(0, timeout_s=5)
+    assert {g.group_id for g in batch.groups} == {g1.group_id, g2.group_id}
+    assert await pending(store, a) == 4  # delivered to A, not acknowledged: A "dies" here
+    # B restarts from A's previous checkpoint, which knew only g3 in flight (g1, g2 were created after it)
+    b = GroupScheduler(store, INPUTS, group_size=2, train_groups=2, active_groups=3, tag="run1", consumer="B")
+    await b.adopt(Group(g3.group_id, g3.rollout_ids, 0))
+    assert await b.start() == 4
+    assert {g1.group_id, g2.group_id} <= set(b.active)  # adopted from their completion entries
+    batch = await b.next_batch(0, timeout_s=5)
+    assert sorted(g.group_id for g in batch.groups) == sorted([g1.group_id, g2.group_id])
+    assert all(len(g.rollouts) == 2 for g in batch.groups)
+    # group numbers continue after A's: no rollout id is reused
+    assert all(int(gid.split("-q")[1].split("-")[0]) >= 3 for gid in b.active if gid != g3.group_id)
+    await b.commit(batch.groups)
+    assert await pending(store, b) == 0
+    assert sorted(m.decode() for m in await store.r.smembers(store.key("trained"))) == sorted(
+        [g1.group_id, g2.group_id])
+    # C (a restart after B's commit): nothing pending, g1/g2 never handed out again
+    await finish(store, g3)
+    c = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, active_groups=1, tag="run1", consumer="C")
+    for g in (g1, g2, g3):
+        await c.adopt(Group(g.group_id, g.rollout_ids, 0))
+    assert await c.start() == 0
+    batch = await c.next_batch(0, timeout_s=5)
+    assert [g.group_id for g in batch.groups] == [g3.group_id]  # complete from its status alone
+
+
+async def test_killed_after_the_checkpoint_before_the_commit(store):
+    """The checkpoint (commit point) lists the step's groups: re-marking them trained acknowledges their
+    pending entries at the next start instead of training them again."""
+    a = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="run2", consumer="A")
+    await a.top_up(0)
+    (g1,) = a.active.values()
+    await finish(store, g1)
+    batch = await a.next_batch(0, timeout_s=5)
+    assert [g.group_id for g in batch.groups] == [g1.group_id]
+    b = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="run2", consumer="B")
+    await store.commit_trained(b.consumer_group, [g1.group_id], [])  # what run.py does with state["trained"]
+    assert await b.start() == 2
+    assert g1.group_id not in b.active and await pending(store, b) == 0
+
+
+async def test_other_runs_and_evaluations_are_acknowledged_not_trained(store):
+    from agl_trainer.loop import create_rollouts
+
+    sched = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="mine", consumer="A")
+    await sched.start()
+    ids = await create_rollouts(store, INPUTS[:1], 2, "mine-eval-before", 0)
+    ids += await create_rollouts(store, INPUTS[:1], 2, "someone-q0", 0)
+    for rid in ids:
+        await store.set_status(rid, RolloutStatus.running)
+        await store.set_status(rid, RolloutStatus.failed, "x")
+    with pytest.raises(TimeoutError):
+        await sched.next_batch(0, timeout_s=1.2)
+    assert all(not gid.startswith(("mine-eval", "someone")) for gid in sched.active)
+    assert await pending(store, sched) == 0
 
 
 def test_truncated_importance_weights_hand_computed():

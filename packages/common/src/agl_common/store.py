@@ -15,6 +15,11 @@ key                               type      holds
 ``P control``                     pub/sub   :class:`ControlCommand` messages
 ``P control:last``                string    the last command, for replicas that missed it
 ``P replica:{id}``                string    :class:`ReplicaStatus` heartbeat, expires after 5 s
+``P completed``                   stream    one entry per move to succeeded/failed (``rid``, ``gid``,
+                                            ``aid``), written in the same transaction as the status;
+                                            read by trainers through consumer groups
+``P trained``                     set       group ids a trainer has committed (trained at most once)
+``P groups:{tag}``                string    counter of the groups a trainer run created
 ================================  ========  ==================================================
 
 A store object is passed to whoever needs it; nothing is kept in module-level state.
@@ -37,11 +42,14 @@ from .schemas import (
     ReplicaStatus,
     Rollout,
     RolloutStatus,
+    TERMINAL,
     check_transition,
 )
 from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 
 REPLICA_TTL_S = 5
+#: The ``completed`` stream is trimmed (approximately) to this many entries; a trainer must not lag further.
+COMPLETED_MAXLEN = 1_000_000
 
 #: KEYS: seq counter, calls stream; ARGV: the record JSON with ``"seq":-1`` (its third field, before any
 #: agent-controlled text, so the first match is always the record's own).
@@ -143,6 +151,10 @@ class Store:
                         check_transition(old_status, rollout.status)
                     pipe.multi()
                     pipe.set(key, rollout.model_dump_json())
+                    if rollout.status != old_status and rollout.status in TERMINAL:
+                        pipe.xadd(self.key("completed"), {"rid": rollout.rollout_id, "gid": rollout.group_id or "",
+                                                          "aid": rollout.attempt_id},
+                                  maxlen=COMPLETED_MAXLEN, approximate=True)
                     await pipe.execute()
                     return rollout
                 except WatchError:
@@ -328,3 +340,56 @@ class Store:
         if enqueue:
             await self.enqueue(rollout_id)
         return rollout
+
+    # ---------------------------------------------------------------- trainer: completions via consumer groups
+    async def ensure_consumer_group(self, group: str) -> None:
+        """Create consumer group ``group`` on ``P completed`` at its end (``$``); no error if it exists."""
+        try:
+            await self.r.xgroup_create(self.key("completed"), group, id="$", mkstream=True)
+        except aioredis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_completed(self, group: str, consumer: str, block_ms: int = 500,
+                             count: int = 1000) -> list[tuple[str, dict[str, str]]]:
+        """New completion entries for ``consumer`` (XREADGROUP ``>``), blocking up to ``block_ms`` ms.
+
+        Entries stay pending in the group until :meth:`ack_completed`: a consumer that dies before
+        acknowledging leaves them for :meth:`reclaim_completed`. Returns ``[(entry_id, fields)]``.
+        """
+        res = await self.r.xreadgroup(group, consumer, {self.key("completed"): ">"}, count=count, block=block_ms)
+        return [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                for _, entries in res or [] for eid, fields in entries]
+
+    async def reclaim_completed(self, group: str, consumer: str) -> list[tuple[str, dict[str, str]]]:
+        """Take over every pending (delivered, unacknowledged) entry of ``group``, whoever it was delivered
+        to (XAUTOCLAIM, min idle 0): what a trainer that died mid-step had read and not committed."""
+        out, cursor = [], "0-0"
+        while True:
+            res = await self.r.xautoclaim(self.key("completed"), group, consumer, min_idle_time=0,
+                                          start_id=cursor, count=1000)
+            cursor = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
+            out += [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                    for eid, fields in res[1] if fields]  # a trimmed entry comes back without fields
+            if cursor == "0-0":
+                return out
+
+    async def ack_completed(self, group: str, entry_ids: list[str]) -> None:
+        """Acknowledge completion entries (XACK): they are no longer pending in ``group``."""
+        if entry_ids:
+            await self.r.xack(self.key("completed"), group, *entry_ids)
+
+    async def commit_trained(self, group: str, group_ids: list[str], entry_ids: list[str]) -> None:
+        """In one transaction, mark ``group_ids`` trained (``SADD P trained``) and acknowledge their entries."""
+        pipe = self.r.pipeline(transaction=True)
+        if group_ids:
+            pipe.sadd(self.key("trained"), *group_ids)
+        if entry_ids:
+            pipe.xack(self.key("completed"), group, *entry_ids)
+        await pipe.execute()
+
+    async def trained(self, group_ids: list[str]) -> list[bool]:
+        """Whether each group id is already in ``P trained``."""
+        if not group_ids:
+            return []
+        return [bool(x) for x in await self.r.smismember(self.key("trained"), group_ids)]

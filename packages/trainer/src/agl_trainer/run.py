@@ -60,15 +60,19 @@ def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler) -> None:
-    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight.
+def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler,
+                    trained: list[str], metrics: dict) -> None:
+    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight, the
+    groups this step trained and its metrics line.
 
     Written to a temporary directory and renamed, so a trainer killed mid-write keeps the previous one.
+    The rename is the step's commit point: a restarted trainer re-marks ``trained`` as trained (if the
+    kill came before :meth:`GroupScheduler.commit`) and re-appends ``metrics`` if its line is missing.
     """
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     backend.checkpoint(tmp)
-    state = {"step": step, "version": version, "groups_created": scheduler._count,
+    state = {"step": step, "version": version, "trained": trained, "metrics": metrics,
              "active": [{"group_id": g.group_id, "rollout_ids": g.rollout_ids, "version": g.version}
                         for g in scheduler.active.values()]}
     (tmp / "state.json").write_text(json.dumps(state))
@@ -109,7 +113,8 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
         backend = await asyncio.to_thread(
             CpuBackend, base_dir, run_dir / "adapters", lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap)
+            clip_high=cfg.clip_high, clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap,
+            ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts, max_updates_per_step=cfg.max_updates_per_step)
         # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
         eos_ids = end_of_turn_ids(tokenizer, base_dir)
@@ -136,14 +141,19 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
             if state is not None:  # a restarted trainer: same policy, same groups in flight, next step
                 version, first_step = state["version"], state["step"] + 1
                 await asyncio.to_thread(backend.restore, run_dir / "checkpoint")
-                scheduler._count = state["groups_created"]
+                await store.commit_trained(scheduler.consumer_group, state.get("trained", []), [])
+                logged = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+                if state.get("metrics") and not any(m.get("step") == state["step"] for m in logged):
+                    with metrics_path.open("a") as f:  # killed between the checkpoint and this line
+                        f.write(json.dumps(state["metrics"]) + "\n")
                 for g in state["active"]:
                     await scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
+                taken = await scheduler.start()
                 if version:
                     await load_adapter(engine_url, f"policy-v{version}", run_dir / "adapters" / f"policy-v{version}")
                 await resume_gateway(store, model=f"policy-v{version}" if version else cfg.model_name, version=version)
                 console.print(f"resumed {run_dir.name} after step {state['step']} (policy v{version}, "
-                              f"{len(state['active'])} groups in flight)")
+                              f"{len(scheduler.active)} groups in flight, {taken} completions taken over)")
             else:
                 await run_eval("before", 0)
             steps_task = progress.add_task("training steps", total=cfg.steps, completed=first_step - 1)
@@ -163,7 +173,8 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                      "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
                      "dropped_groups": counts["dropped_groups"], "rollout_s": batch.wait_s,
                      "carried_over": batch.carried_over, "group_ages": batch.ages,
-                     "staleness_drops": batch.stale_dropped, **adv_stats, **astats.metrics()}
+                     "staleness_drops": batch.stale_dropped, "groups": [g.group_id for g in batch.groups],
+                     **adv_stats, **astats.metrics()}
                 if rows and any(abs(a) > 0 for a in row_adv):
                     cycle = await collocated_update(store, engine_url, version + 1,
                                                     lambda: backend.update(rows, row_adv), backend.save,
@@ -173,11 +184,13 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     m["policy_version"] = version
                 else:
                     m["skipped_update"] = "no advantage signal" if rows else "no rows"
-                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler)
                 m["step_s"] = time.perf_counter() - t0
-                metrics.append(m)
+                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler,
+                                        m["groups"], m)
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m) + "\n")
+                await scheduler.commit(batch.groups)
+                metrics.append(m)
                 progress.update(steps_task, advance=1)
                 progress.remove_task(rtask)
                 console.print(f"step {step}: reward {m['reward_mean']:.3f}, rows {m['rows']}, "

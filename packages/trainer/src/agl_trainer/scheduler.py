@@ -7,14 +7,20 @@ keep running, held by the gateway during the update, and continue on the new pol
 more than ``max_staleness`` policy versions ago is dropped when it completes (counted), never trained.
 Heavy-tailed rollout durations make this ~2x faster end to end (bench/async_sim.py).
 
-Every group is trained at most once: the trainer claims it with ``SADD {prefix}trained`` (a restarted
-trainer that sees a group already claimed skips it).
+Completions reach the trainer through a Redis consumer group (``trainer:{tag}``) on ``P completed``,
+the stream the store appends to in the same transaction as every move to succeeded/failed. An entry
+stays *pending* until its group is committed (trained: ``SADD P trained`` + ``XACK`` in one
+transaction, after the checkpoint is written) or dropped as stale. A trainer killed mid-step leaves
+its batch's entries pending; the restarted one takes them over (XAUTOCLAIM, :meth:`GroupScheduler.start`)
+and trains those groups, while groups already in ``P trained`` are acknowledged and skipped: no group
+is lost and none is trained twice. Statuses, not entries, decide completion (an entry is a wake-up).
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +41,9 @@ class Group:
     created_at: float = field(default_factory=time.monotonic)
     done_at: float | None = None
     rollouts: list[Rollout] = field(default_factory=list)
+    #: rollouts seen terminal, and the completion entries to acknowledge when the group is committed
+    seen: set[str] = field(default_factory=set)
+    entry_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,11 +67,13 @@ class GroupScheduler:
         train_groups: groups per training step.
         active_groups: most groups in flight (≥ ``train_groups``; equal means synchronous).
         max_staleness: most policy versions between a group's creation and its training.
-        tag: prefix of rollout and group ids (unique per run).
+        tag: prefix of rollout and group ids (unique per run; also names the consumer group).
+        consumer: this trainer's consumer name (default ``{host}-{pid}``).
     """
 
     def __init__(self, store: Store, inputs: list[dict], group_size: int, train_groups: int,
-                 active_groups: int | None = None, max_staleness: int = 1, tag: str = "run", seed: int = 0):
+                 active_groups: int | None = None, max_staleness: int = 1, tag: str = "run", seed: int = 0,
+                 consumer: str | None = None):
         if not inputs:
             raise ValueError("no task inputs to train on")
         self.store = store
@@ -72,10 +83,12 @@ class GroupScheduler:
         self.active_groups = max(active_groups or train_groups, train_groups)
         self.max_staleness = max_staleness
         self.tag = tag
+        self.consumer_group = f"trainer:{tag}"
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.rng = random.Random(seed)
         self.active: dict[str, Group] = {}
         self._queue: list[dict] = []
-        self._count = 0
+        self._started = False
 
     def _next_input(self) -> dict:
         if not self._queue:
@@ -83,57 +96,120 @@ class GroupScheduler:
             self.rng.shuffle(self._queue)
         return self._queue.pop()
 
+    async def start(self) -> int:
+        """Create the consumer group (at the stream's end) and take over every entry left pending by a
+        trainer that died before committing; returns how many were taken over. Idempotent."""
+        if self._started:
+            return 0
+        self._started = True
+        await self.store.ensure_consumer_group(self.consumer_group)
+        entries = await self.store.reclaim_completed(self.consumer_group, self.consumer)
+        await self._take(entries)
+        # groups adopted from a checkpoint: their statuses are the truth (an entry may have been acked)
+        for g in self.active.values():
+            for r in await self.store.get_rollouts(g.rollout_ids):
+                if r.status in TERMINAL:
+                    g.seen.add(r.rollout_id)
+        return len(entries)
+
     async def top_up(self, version: int) -> int:
-        """Start groups until ``active_groups`` are in flight; returns how many were started."""
+        """Start groups until ``active_groups`` are in flight; returns how many were started.
+
+        Group numbers come from ``INCR P groups:{tag}``, so a restarted trainer never reuses an id.
+        """
+        await self.start()
         started = 0
         while len(self.active) < self.active_groups:
-            tag = f"{self.tag}-q{self._count}"
-            self._count += 1
+            n = await self.store.r.incr(self.store.key("groups", self.tag)) - 1
+            tag = f"{self.tag}-q{n}"
             ids = await create_rollouts(self.store, [self._next_input()], self.group_size, tag, version)
             group = Group(f"{tag}-g0", ids, version)
             self.active[group.group_id] = group
             started += 1
         return started
 
-    async def adopt(self, group: Group) -> None:
-        """Track a group created elsewhere (e.g. by a trainer that was restarted)."""
-        self.active[group.group_id] = group
+    async def adopt(self, group: Group) -> bool:
+        """Track a group created elsewhere (by a trainer that was restarted); a trained one is skipped."""
+        if (await self.store.trained([group.group_id]))[0]:
+            return False
+        self.active.setdefault(group.group_id, group)
+        return True
+
+    def _ours(self, gid: str, rid: str) -> bool:
+        return gid.startswith(f"{self.tag}-q") and rid.startswith(gid + "-")
+
+    async def _take(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """File completion entries under their groups; adopt our groups we do not know yet (created by a
+        trainer that died); acknowledge at once what is not ours to train (other runs, evaluations, trained)."""
+        acks, unknown = [], {}
+        for eid, f in entries:
+            gid, rid = f.get("gid", ""), f.get("rid", "")
+            if gid in self.active:
+                self.active[gid].seen.add(rid)
+                self.active[gid].entry_ids.append(eid)
+            elif self._ours(gid, rid):
+                unknown.setdefault(gid, []).append((eid, rid))
+            else:
+                acks.append(eid)
+        gids = list(unknown)
+        for gid, done in zip(gids, await self.store.trained(gids)):
+            if done:
+                acks += [eid for eid, _ in unknown[gid]]
+                continue
+            ids = [f"{gid}-{i}" for i in range(self.group_size)]
+            first = (await self.store.get_rollouts(ids[:1]))[0]
+            group = Group(gid, ids, first.policy_version)
+            group.seen = {rid for _, rid in unknown[gid]}
+            group.entry_ids = [eid for eid, _ in unknown[gid]]
+            self.active[gid] = group
+        await self.store.ack_completed(self.consumer_group, acks)
+
+    async def commit(self, groups: list[Group]) -> None:
+        """Mark ``groups`` trained and acknowledge their entries (one transaction). Call it after the
+        update's checkpoint is written: a trainer killed before this point trains them after its restart."""
+        await self.store.commit_trained(self.consumer_group, [g.group_id for g in groups],
+                                        [e for g in groups for e in g.entry_ids])
 
     async def next_batch(self, version: int, timeout_s: float,
                          on_progress: Callable[[int, int], None] | None = None) -> Batch:
         """Wait for ``train_groups`` complete, fresh groups (dropping stale ones); top up as groups leave.
 
+        The groups handed out stay pending until :meth:`commit`.
         Raises ``TimeoutError`` if not enough groups complete within ``timeout_s`` seconds.
         """
         t0 = time.monotonic()
         stale = 0
         await self.top_up(version)
         while True:
-            groups = list(self.active.values())
-            ids = [rid for g in groups for rid in g.rollout_ids]
-            rollouts = {r.rollout_id: r for r in await self.store.get_rollouts(ids)}
             now = time.monotonic()
-            for g in groups:
-                g.rollouts = [rollouts[rid] for rid in g.rollout_ids]
-                if g.done_at is None and all(r.status in TERMINAL for r in g.rollouts):
-                    g.done_at = now
-            for g in [g for g in groups if g.done_at is not None and version - g.version > self.max_staleness]:
+            candidates = [g for g in self.active.values() if g.done_at is None and g.seen >= set(g.rollout_ids)]
+            if candidates:
+                rollouts = {r.rollout_id: r for r in await self.store.get_rollouts(
+                    [rid for g in candidates for rid in g.rollout_ids])}
+                for g in candidates:
+                    g.rollouts = [rollouts[rid] for rid in g.rollout_ids]
+                    if all(r.status in TERMINAL for r in g.rollouts):
+                        g.done_at = now
+                    else:  # retried since its entry: wait for the next one
+                        g.seen -= {r.rollout_id for r in g.rollouts if r.status not in TERMINAL}
+            for g in [g for g in self.active.values()
+                      if g.done_at is not None and version - g.version > self.max_staleness]:
                 del self.active[g.group_id]
+                await self.store.ack_completed(self.consumer_group, g.entry_ids)
                 stale += 1
             done = sorted((g for g in self.active.values() if g.done_at is not None), key=lambda g: g.done_at)
             if on_progress:
                 on_progress(min(len(done), self.train_groups), self.train_groups)
             if len(done) >= self.train_groups:
                 chosen = done[: self.train_groups]
-                fresh = []
                 for g in chosen:
                     del self.active[g.group_id]
-                    if await self.store.r.sadd(self.store.key("trained"), g.group_id):
-                        fresh.append(g)
-                return Batch(fresh, stale, len(self.active), [version - g.version for g in fresh],
+                return Batch(chosen, stale, len(self.active), [version - g.version for g in chosen],
                              time.monotonic() - t0)
             if stale:
                 await self.top_up(version)
-            if time.monotonic() - t0 > timeout_s:
+            left = timeout_s - (time.monotonic() - t0)
+            if left <= 0:
                 raise TimeoutError(f"fewer than {self.train_groups} groups completed in {timeout_s:.0f} s")
-            await asyncio.sleep(0.5)
+            await self._take(await self.store.read_completed(self.consumer_group, self.consumer,
+                                                             block_ms=max(1, int(min(left, 0.5) * 1000))))

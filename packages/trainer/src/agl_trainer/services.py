@@ -2,7 +2,9 @@
 
 Each service is a subprocess in its own process group, logging to ``{out_dir}/logs/{name}.log``.
 :class:`Services` is a context manager: leaving it (normally, on an error, or on Ctrl-C) stops every
-service it started, SIGTERM first, SIGKILL after 10 s.
+service it started, SIGTERM first, SIGKILL after 10 s. On Linux a service also gets SIGTERM when the
+process that started it dies without cleaning up (``kill -9``; ``PR_SET_PDEATHSIG``), so a killed
+trainer leaves no gateway or controller behind and its restart starts fresh ones.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def redis_answers(url: str) -> bool:
@@ -56,7 +66,8 @@ class Services:
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env={**os.environ, **(env or {})}, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.procs[name] = proc
         return proc
 
