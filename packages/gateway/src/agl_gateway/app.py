@@ -18,6 +18,7 @@ from . import translate
 from .engines import Engines
 from .errors import install_handlers
 from .gate import PauseGate
+from .hotredis import hot_store
 from .proxy import GatewayState
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
@@ -49,6 +50,16 @@ class Metrics:
         self.pause_seconds = Histogram("agl_gateway_pause_seconds", "Time from pause to resume (s)", registry=r)
         self.drain_seconds = Histogram("agl_gateway_drain_seconds", "Time from pause to drained (s)",
                                        registry=r)
+        self.tokens_in, self.tokens_out = self.tokens.labels("in"), self.tokens.labels("out")
+        self._children: dict[tuple, object] = {}  # labelled children, looked up once (labels() takes a lock)
+
+    def route(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 class RequestMetrics:
@@ -78,7 +89,7 @@ class RequestMetrics:
             st = getattr(scope["app"].state, "agl", None)
             if st is not None:
                 path = getattr(scope.get("route"), "path", "unmatched")
-                st.metrics.requests.labels(path, str(status)).inc()
+                st.metrics.route(st.metrics.requests, path, str(status)).inc()
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -97,8 +108,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
+        hot = hot_store(store)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
-                          Engines(settings.upstreams_v1))
+                          Engines(settings.upstreams_v1), hot)
         app.state.agl = st
         if settings.model is None:
             with contextlib.suppress(Exception):
@@ -117,6 +129,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             with contextlib.suppress(Exception):
                 await store.r.delete(store.key("replica", settings.replica_id))
             await http.close()
+            await hot.close()
             await store.close()
 
     app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
