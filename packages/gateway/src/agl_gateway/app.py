@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 import aiohttp
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.store import Store
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.routing import Match
 
 from . import translate
 from .engines import Engines
@@ -63,10 +64,17 @@ class Metrics:
 
 
 class RequestMetrics:
-    """Pure ASGI middleware counting requests by route template and status.
+    """Pure ASGI middleware counting requests by route template and status; model calls take a short cut.
 
     (Starlette's ``@app.middleware("http")`` runs every request in an extra task group with memory
     streams: about 0.3 ms of CPU per call, measured with bench/gateway.py.)
+
+    The short cut: when Starlette's own matching (first route that fully matches, same scope updates)
+    picks one of the model routes (:data:`FAST_ENDPOINTS`, each ``async def f(request) -> Response``),
+    its endpoint is awaited here directly, with an :class:`ApiError` answered by the app's own handler,
+    instead of going through ExceptionMiddleware, the router again and FastAPI's request handler
+    (~0.1 ms of CPU per call). Anything else raised propagates as it would have (500 from
+    ServerErrorMiddleware, outside this middleware).
     """
 
     def __init__(self, app):
@@ -84,12 +92,52 @@ class RequestMetrics:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_status)
+            route = _fast_route(scope) if scope["method"] == "POST" else None
+            if route is None:
+                await self.app(scope, receive, send_status)
+            else:
+                request = Request(scope, receive)
+                try:
+                    response = await route.endpoint(request)
+                except Exception as exc:
+                    handler = _handler_for(scope["app"], exc)
+                    if handler is None:
+                        raise
+                    response = await handler(request, exc)
+                await response(scope, receive, send_status)
         finally:
             st = getattr(scope["app"].state, "agl", None)
             if st is not None:
                 path = getattr(scope.get("route"), "path", "unmatched")
                 st.metrics.route(st.metrics.requests, path, str(status)).inc()
+
+
+#: Endpoints taken by :class:`RequestMetrics`'s short cut: ``async def f(request) -> Response``.
+FAST_ENDPOINTS = frozenset((openai.chat_completions, openai.completions, anthropic.messages, responses.responses))
+
+
+def _handler_for(app, exc: Exception):
+    """The handler ExceptionMiddleware would use (``Exception`` itself is ServerErrorMiddleware's)."""
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
+        if cls in app.exception_handlers:
+            return app.exception_handlers[cls]
+    return None
+
+
+def _fast_route(scope):
+    """The route Starlette's router would pick, if it is a model route (scope updated as the router does)."""
+    for route in scope["app"].router.routes:
+        match, child_scope = route.matches(scope)
+        if match is Match.FULL:
+            if getattr(route, "endpoint", None) not in FAST_ENDPOINTS:
+                return None
+            scope.setdefault("router", scope["app"].router)
+            scope["route"] = route
+            scope.update(child_scope)
+            return route
+    return None
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
