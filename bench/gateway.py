@@ -22,7 +22,7 @@ At the end every gateway call is checked to be in its rollout's Redis stream, th
 
 ``--profile`` adds, after the measured phases (which it does not perturb), one more run of each
 ``--profile-phase`` (default ``chat@64``) with the gateway profiled, and prints the CPU-ms per call by
-component (uvicorn/h11, starlette/fastapi, httpx/httpcore, redis-py, pydantic, LiteLLM...) and the top
+component (uvicorn, starlette/fastapi, aiohttp, the hot Redis client, pydantic, LiteLLM...) and the top
 functions. ``py-spy``: sampling (``--gil``: only samples holding the GIL, i.e. on CPU or about to be);
 needs ``.venv/bin/pip install py-spy``. ``cprofile``: the gateway is started under a wrapper whose
 cProfile (timer: the main thread's CPU time, so preemption by other processes is not counted) is switched
@@ -284,6 +284,13 @@ def gateway_version() -> str:
     """Commit, plus a hash of the gateway/common sources when they differ from it (results name the code)."""
     import hashlib
 
+    if os.environ.get("PYTHONPATH"):  # an A/B run against another checkout: name what is imported
+        where = subprocess.run([sys.executable, "-c", "import agl_gateway; print(agl_gateway.__file__)"],
+                               capture_output=True, text=True, check=False).stdout.strip()
+        src = Path(where).parents[4] if where else ROOT
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True,
+                              check=False).stdout.strip()
+        return f"{head or 'unknown'} at {src} (PYTHONPATH)"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=False).stdout.strip()
@@ -551,11 +558,13 @@ class Bench:
 
 
 COMPONENTS = [  # (label, substrings of a frame's file): first match wins
+    ("agl_gateway hot Redis client (rollout GET, record script)", ("agl_gateway/hotredis.py",)),
     ("agl_gateway / agl_common (own code)", ("agl_gateway/", "agl_common/")),
-    ("uvicorn + h11 (HTTP server)", ("uvicorn/", "h11/", "httptools")),
-    ("starlette + fastapi (routing, BaseHTTPMiddleware)", ("starlette/", "fastapi/")),
+    ("uvicorn + httptools/h11 (HTTP server)", ("uvicorn/", "h11/", "httptools")),
+    ("starlette + fastapi (routing, middleware)", ("starlette/", "fastapi/")),
+    ("aiohttp (upstream client)", ("aiohttp/",)),
     ("httpx + httpcore (upstream client)", ("httpx/", "httpcore/")),
-    ("redis-py (rollout GET, seq INCR, XADD)", ("redis/",)),
+    ("redis-py (control channel, heartbeat; hot path before issue 7 work)", ("redis/",)),
     ("pydantic (CallRecord, Rollout)", ("pydantic/", "pydantic_core/")),
     ("litellm (translation)", ("litellm/", "openai/", "anthropic/")),
     ("prometheus_client", ("prometheus_client/",)),
