@@ -20,6 +20,7 @@ from .engines import Engines
 from .errors import install_handlers
 from .gate import PauseGate
 from .hotredis import hot_store
+from .upstream import make_client
 from .proxy import GatewayState
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
@@ -157,8 +158,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
         hot = hot_store(store)
+        upstream = make_client(settings.upstreams_v1, settings.upstream_timeout_s)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
-                          Engines(settings.upstreams_v1), hot)
+                          Engines(settings.upstreams_v1), hot, upstream)
         app.state.agl = st
         if settings.model is None:
             with contextlib.suppress(Exception):
@@ -177,6 +179,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             with contextlib.suppress(Exception):
                 await store.r.delete(store.key("replica", settings.replica_id))
             await http.close()
+            if upstream is not None:
+                await upstream.close()
             await hot.close()
             await store.close()
 

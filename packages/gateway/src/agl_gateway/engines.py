@@ -34,6 +34,8 @@ class Engines:
         candidates = [u for u in self.healthy() if u not in exclude]
         if not candidates:
             raise NoEngine("no healthy upstream engine")
+        if len(candidates) == 1:
+            return candidates[0]
         return max(candidates, key=lambda u: hashlib.blake2b(f"{rollout_id}\0{u}".encode(), digest_size=8).digest())
 
     def mark_down(self, url: str) -> None:

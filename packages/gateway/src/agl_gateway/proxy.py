@@ -30,6 +30,7 @@ from .errors import ApiError, bad_request
 from .gate import HeldTooLong, PauseGate
 from .hotredis import HotStore
 from .settings import GatewaySettings
+from .upstream import ConnectFailed, UpstreamBroken, UpstreamClient
 
 log = logging.getLogger("agl.gateway")
 
@@ -57,6 +58,7 @@ class GatewayState:
     metrics: Any
     engines: Engines
     hot: HotStore  # the rollout lookup and record write of every call
+    upstream: UpstreamClient | None = None  # model calls' POST to the engine (None: ``http`` does it)
 
 
 def state_of(request: Request) -> GatewayState:
@@ -163,14 +165,17 @@ async def forward_json(st: GatewayState, path: str, body: dict[str, Any], rollou
             raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
         tried.add(base)
         try:
-            async with st.http.post(base + path, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
-                status, content = resp.status, await resp.read()
+            if st.upstream is not None:
+                status, content = await st.upstream.post_json(base + path, orjson.dumps(body))
+            else:
+                async with st.http.post(base + path, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
+                    status, content = resp.status, await resp.read()
             break
         except TimeoutError:
             raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
-        except aiohttp.ClientConnectorError:
+        except (aiohttp.ClientConnectorError, ConnectFailed):
             st.engines.mark_down(base)
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, UpstreamBroken) as exc:
             raise ApiError(502, f"upstream engine failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None
     try:
