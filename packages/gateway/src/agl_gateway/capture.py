@@ -77,9 +77,10 @@ def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[in
     raw = None
     if isinstance(lp, dict):
         if route == "chat" and isinstance(lp.get("content"), list):
-            if not all(isinstance(t, dict) for t in lp["content"]):
-                raise MalformedUpstream("'logprobs.content' is not a list of objects")
-            raw = [t.get("logprob", 0.0) for t in lp["content"]]
+            try:  # of parsed JSON values, only objects (dicts) have .get
+                raw = [t.get("logprob", 0.0) for t in lp["content"]]
+            except AttributeError:
+                raise MalformedUpstream("'logprobs.content' is not a list of objects") from None
         elif route == "completions" and isinstance(lp.get("token_logprobs"), list):
             raw = [x if x is not None else 0.0 for x in lp["token_logprobs"]]
     if raw is not None:

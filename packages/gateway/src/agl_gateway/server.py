@@ -22,7 +22,7 @@ _431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/pla
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` that refuses a request head over :data:`MAX_HEAD_BYTES` with a 431.
 
-    Two checks: the parsed size (request target + header names and values) when a header is complete,
+    Two checks: the parsed size (request target + header names and values) once the head is complete,
     exact like h11's; and the bytes received while a head is incomplete (a header still arriving), which
     bounds what httptools buffers to the limit plus one read.
     """
@@ -31,29 +31,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # between requests or inside a head: received bytes count
         self._head_bytes = 0  # bytes received since then
-        self._head_size = 0  # parsed size of the current head
         self._too_large = False
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._head_size = 0
-
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._grow(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        self._grow(len(name) + len(value) + 4)
-
-    def _grow(self, n: int) -> None:
-        self._head_size += n
-        if self._head_size > MAX_HEAD_BYTES:
-            self._too_large = True
-            raise ValueError("request head too large")  # httptools: HttpParserCallbackError, then send_400
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes = False, 0
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise ValueError("request head too large")  # httptools: HttpParserCallbackError, then send_400
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
