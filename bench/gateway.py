@@ -559,6 +559,7 @@ class Bench:
 
 COMPONENTS = [  # (label, substrings of a frame's file): first match wins
     ("agl_gateway hot Redis client (rollout GET, record script)", ("agl_gateway/hotredis.py",)),
+    ("agl_gateway upstream client (HTTP/1.1 to the engine)", ("agl_gateway/upstream.py",)),
     ("agl_gateway / agl_common (own code)", ("agl_gateway/", "agl_common/")),
     ("uvicorn + httptools/h11 (HTTP server)", ("uvicorn/", "h11/", "httptools")),
     ("starlette + fastapi (routing, middleware)", ("starlette/", "fastapi/")),
