@@ -160,6 +160,7 @@ class HotRedis:
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
+        proto = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, proto = await loop.create_connection(lambda: _Protocol(self._lost), self.host, self.port)
@@ -171,13 +172,13 @@ class HotRedis:
                     setup.append(proto.send(_pack(b"SELECT", str(self.db).encode())))
                 for fut in setup:
                     await fut
-        except (OSError, TimeoutError) as exc:
-            raise ConnectionError(f"cannot connect to Redis at {self.host}:{self.port}: {exc!r}") from None
-        except ResponseError as exc:
-            proto.transport.abort()
-            raise ConnectionError(f"Redis refused the connection setup: {exc}") from None
+        except (OSError, TimeoutError, ResponseError, ConnectionError) as exc:
+            if proto is not None:
+                proto.abort(ConnectionError("connection setup failed"))
+            raise ConnectionError(f"cannot connect to Redis at {self.host}:{self.port}: {type(exc).__name__}: {exc}") from None
         if self._watchdog is None:
             self._watchdog = loop.call_later(1.0, self._watch)
+        self.proto = proto  # here, not by the awaiting caller: a caller cancelled meanwhile leaks nothing
         return proto
 
     def _watch(self) -> None:
@@ -193,12 +194,13 @@ class HotRedis:
             return proto
         if self._connecting is None:  # one connection attempt shared by every caller waiting for it
             self._connecting = asyncio.ensure_future(self._connect())
-            try:
-                self.proto = await self._connecting
-            finally:
-                self._connecting = None
-            return self.proto
+            self._connecting.add_done_callback(self._connected)
         return await asyncio.shield(self._connecting)
+
+    def _connected(self, task: asyncio.Future) -> None:
+        self._connecting = None
+        if not task.cancelled():
+            task.exception()  # retrieved (the callers re-raise it), so asyncio logs nothing
 
     async def execute(self, *args: bytes) -> Any:
         proto = self.proto
