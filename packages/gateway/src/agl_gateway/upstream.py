@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 client for the one request every model call makes: POST JSON, read the whole answer.
 
-aiohttp costs ~100 µs of CPU per request (bench: headers multidicts, cookie jar, tracing hooks, timers,
-stream readers); this costs ~20: one ``transport.write`` of the request, httptools (C) to parse the
-answer, a keep-alive pool per engine. Streams, ``/tokenize`` and ``/models`` stay on aiohttp. Only
+aiohttp costs ~100 µs of CPU per request (headers multidicts, cookie jar, tracing hooks, timers, stream
+readers); this ~40, system calls included (a loop of requests to bench/fake_upstream.py): one
+``transport.write`` of the request, httptools (C) to parse the answer, a keep-alive pool per engine. Streams, ``/tokenize`` and ``/models`` stay on aiohttp. Only
 ``http://`` engines; :func:`make_client` returns None for others and the caller keeps aiohttp.
 
 Semantics kept from the aiohttp session it replaces: a total timeout per request (``TimeoutError``, also
