@@ -22,7 +22,7 @@ At the end every gateway call is checked to be in its rollout's Redis stream, th
 
 ``--profile`` adds, after the measured phases (which it does not perturb), one more run of each
 ``--profile-phase`` (default ``chat@64``) with the gateway profiled, and prints the CPU-ms per call by
-component (uvicorn, starlette/fastapi, aiohttp, the hot Redis client, pydantic, LiteLLM...) and the top
+component (uvicorn, starlette/fastapi, aiohttp, redis-py, pydantic, LiteLLM...) and the top
 functions. ``py-spy``: sampling (``--gil``: only samples holding the GIL, i.e. on CPU or about to be);
 needs ``.venv/bin/pip install py-spy``. ``cprofile``: the gateway is started under a wrapper whose
 cProfile (timer: the main thread's CPU time, so preemption by other processes is not counted) is switched
@@ -558,14 +558,12 @@ class Bench:
 
 
 COMPONENTS = [  # (label, substrings of a frame's file): first match wins
-    ("agl_gateway hot Redis client (rollout GET, record script)", ("agl_gateway/hotredis.py",)),
-    ("agl_gateway upstream client (HTTP/1.1 to the engine)", ("agl_gateway/upstream.py",)),
     ("agl_gateway / agl_common (own code)", ("agl_gateway/", "agl_common/")),
     ("uvicorn + httptools/h11 (HTTP server)", ("uvicorn/", "h11/", "httptools")),
     ("starlette + fastapi (routing, middleware)", ("starlette/", "fastapi/")),
     ("aiohttp (upstream client)", ("aiohttp/",)),
     ("httpx + httpcore (upstream client)", ("httpx/", "httpcore/")),
-    ("redis-py (control channel, heartbeat; hot path before issue 7 work)", ("redis/",)),
+    ("redis-py + hiredis (rollout GET, record script, control, heartbeat)", ("redis/", "hiredis")),
     ("pydantic (CallRecord, Rollout)", ("pydantic/", "pydantic_core/")),
     ("litellm (translation)", ("litellm/", "openai/", "anthropic/")),
     ("prometheus_client", ("prometheus_client/",)),

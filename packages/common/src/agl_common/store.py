@@ -84,6 +84,7 @@ class Store:
         self.r: aioredis.Redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=10, socket_connect_timeout=2, socket_timeout=10,
             health_check_interval=10))
+        self._record_script = self.r.register_script(_RECORD_CALL)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -197,6 +198,15 @@ class Store:
                                 self.key("calls", record.rollout_id), record.model_dump_json())
         record.seq = int(seq)
         return record
+
+    async def record_call_json(self, rollout_id: str, attempt_id: str, record_json: bytes) -> int:
+        """:meth:`record_call` for a record already serialized (the gateway's hot path); returns its ``seq``.
+
+        ``record_json`` must be :class:`CallRecord` JSON with ``"seq":-1`` as its third field. The script is
+        sent by hash (EVALSHA, loaded on first use by redis-py's ``Script``).
+        """
+        keys = [self.key("seq", rollout_id, attempt_id), self.key("calls", rollout_id)]
+        return int(await self._record_script(keys=keys, args=[record_json]))
 
     async def count_calls(self, rollout_id: str, attempt_id: str) -> int:
         raw = await self.r.get(self.key("seq", rollout_id, attempt_id))

@@ -19,8 +19,6 @@ from . import translate
 from .engines import Engines
 from .errors import install_handlers
 from .gate import PauseGate
-from .hotredis import hot_store
-from .upstream import make_client
 from .proxy import GatewayState
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
@@ -153,14 +151,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         # connection the engine is closing is never reused.
         http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_s, connect=5.0),
-            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0), auto_decompress=True)
+            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0), auto_decompress=True,
+            cookie_jar=aiohttp.DummyCookieJar())
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
-        hot = hot_store(store)
-        upstream = make_client(settings.upstreams_v1, settings.upstream_timeout_s)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
-                          Engines(settings.upstreams_v1), hot, upstream)
+                          Engines(settings.upstreams_v1))
         app.state.agl = st
         if settings.model is None:
             with contextlib.suppress(Exception):
@@ -179,9 +176,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             with contextlib.suppress(Exception):
                 await store.r.delete(store.key("replica", settings.replica_id))
             await http.close()
-            if upstream is not None:
-                await upstream.close()
-            await hot.close()
             await store.close()
 
     app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -28,9 +28,7 @@ from .engines import Engines, NoEngine
 from .capture import MAX_JSON_DEPTH, MalformedUpstream, agent_view, extract_tokens, too_deep
 from .errors import ApiError, bad_request
 from .gate import HeldTooLong, PauseGate
-from .hotredis import HotStore
 from .settings import GatewaySettings
-from .upstream import ConnectFailed, UpstreamBroken, UpstreamClient
 
 log = logging.getLogger("agl.gateway")
 
@@ -57,8 +55,6 @@ class GatewayState:
     policy: Policy
     metrics: Any
     engines: Engines
-    hot: HotStore  # the rollout lookup and record write of every call
-    upstream: UpstreamClient | None = None  # model calls' POST to the engine (None: ``http`` does it)
 
 
 def state_of(request: Request) -> GatewayState:
@@ -119,7 +115,7 @@ async def resolve_identity(request: Request, st: GatewayState) -> Identity:
         raise bad_key  # before any lookup: a wrong key learns nothing about which rollouts exist
     try:
         try:
-            rollout = await st.hot.get_rollout(rid)
+            rollout = await st.store.get_rollout(rid)
         except RolloutNotFound:
             if not st.settings.open:
                 raise ApiError(404, f"unknown rollout {rid!r}", "not_found_error", "rollout_not_found") from None
@@ -166,17 +162,14 @@ async def forward_json(st: GatewayState, path: str, body: dict[str, Any], rollou
             raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
         tried.add(base)
         try:
-            if st.upstream is not None:
-                status, content = await st.upstream.post_json(base + path, orjson.dumps(body))
-            else:
-                async with st.http.post(base + path, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
-                    status, content = resp.status, await resp.read()
+            async with st.http.post(base + path, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
+                status, content = resp.status, await resp.read()
             break
         except TimeoutError:
             raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
-        except (aiohttp.ClientConnectorError, ConnectFailed):
+        except aiohttp.ClientConnectorError:
             st.engines.mark_down(base)
-        except (aiohttp.ClientError, UpstreamBroken) as exc:
+        except aiohttp.ClientError as exc:
             raise ApiError(502, f"upstream engine failed: {type(exc).__name__}", "server_error",
                            "upstream_unreachable") from None
     try:
@@ -205,7 +198,7 @@ async def record(st: GatewayState, rec: dict[str, Any]) -> None:
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
         payload = CallRecord.model_validate(rec).model_dump_json().encode()
     try:
-        await st.hot.record_json(rec["rollout_id"], rec["attempt_id"], payload)
+        await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload)
     except RedisError as exc:
         log.warning("record of %s/%s not written: %r", rec["rollout_id"], rec["attempt_id"], exc)
         raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
