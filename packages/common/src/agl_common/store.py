@@ -82,7 +82,7 @@ class Store:
         # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
         # instead of failing at once (redis-py's default pool turned load into "Too many connections").
         self.r: aioredis.Redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max_connections, timeout=10, socket_connect_timeout=2, socket_timeout=10,
+            redis_url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
             health_check_interval=10))
         self._record_script = self.r.register_script(_RECORD_CALL)
 

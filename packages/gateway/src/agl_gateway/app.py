@@ -148,9 +148,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections)
         # aiohttp's pool costs a fraction of httpx's per call at high concurrency (bench/gateway.py). Idle
         # connections are dropped after 2 s, under the engine's own keep-alive (uvicorn, vLLM: 5 s), so a
-        # connection the engine is closing is never reused.
+        # connection the engine is closing is never reused. Only the TCP connect has its own bound (10 s: a
+        # refused connection fails at once; a starved loopback accept under load can take seconds).
         http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_s, connect=5.0),
+            timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_s, sock_connect=10.0),
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0), auto_decompress=True,
             cookie_jar=aiohttp.DummyCookieJar())
         metrics = Metrics()
