@@ -266,6 +266,33 @@ async def test_gateway_sigkill_mid_flight_loses_no_acknowledged_call(redis_url, 
 
 # ------------------------------------------------------------------------------------------ (b) Redis restart
 @needs_redis_server
+async def test_sigterm_during_a_pause_answers_held_calls_and_exits(redis_url, prefix, upstream, procs, tmp_path):
+    """A gateway stopped (SIGTERM) while paused does not wait for its held calls (up to --max-hold): they
+    get 503 ``shutting_down`` at once and the process exits; nothing is recorded for them."""
+    gw = GatewayProc(upstream.url, redis_url, prefix, "gw-term", tmp_path / "gw.log", extra=["--open"]).start()
+    procs.append(gw)
+    store = Store(redis_url, prefix)
+    try:
+        await pause_and_drain(store, timeout_s=10)
+        url = f"{gw.url}/rollouts/T1/attempts/0/v1/chat/completions"
+        held = asyncio.create_task(asyncio.to_thread(httpx.post, url, json=chat("held", 0), timeout=60))
+        deadline = time.monotonic() + 10
+        while not any(r.held for r in await store.replicas()):
+            assert time.monotonic() < deadline, "the call was never held"
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        gw.proc.terminate()
+        resp = await asyncio.wait_for(held, 10)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
+        assert resp.headers["retry-after"] == "1"
+        await asyncio.to_thread(gw.proc.wait, 10)
+        assert time.monotonic() - t0 < 10
+        assert await store.read_calls("T1") == []
+    finally:
+        await resume(store)
+        await store.close()
+
+
 async def test_redis_restart_loses_nothing_acknowledged_and_gateway_recovers(upstream, procs, tmp_path):
     rd = RedisProc(tmp_path).start()
     procs.append(rd)

@@ -38,12 +38,14 @@ def serve(
 
     settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
                                port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes)
-    from .server import BoundedHttpToolsProtocol
+    from .server import BoundedHttpToolsProtocol, GatewayServer
 
     # httptools (cheaper per request than h11), with the request line + headers bounded (64 KiB, then 431):
     # httptools alone buffers a header of any size.
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False,
-                http=BoundedHttpToolsProtocol)
+    # GatewayServer: a SIGTERM during a pause answers held calls 503 instead of waiting for them.
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level, access_log=False,
+                            http=BoundedHttpToolsProtocol)
+    GatewayServer(config).run()
 
 
 def main() -> None:

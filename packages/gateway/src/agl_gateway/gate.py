@@ -16,6 +16,10 @@ class HeldTooLong(Exception):
     """A call was held longer than ``max_hold`` seconds during a pause."""
 
 
+class GateClosed(Exception):
+    """The gateway is shutting down: held and new calls are turned away (503, retry elsewhere)."""
+
+
 class PauseGate:
     """Admission control for model calls.
 
@@ -35,6 +39,7 @@ class PauseGate:
         self.paused_at: float | None = None
         self.last_drain_s: float | None = None  # seconds from the last pause to its drain
         self._on_change = on_change or (lambda: None)
+        self.closed = False
 
     @property
     def paused(self) -> bool:
@@ -56,11 +61,20 @@ class PauseGate:
         self._open.set()
         self._on_change()
 
+    def close(self) -> None:
+        """Shutting down: every held call and every later one raises :class:`GateClosed` (calls already in
+        flight finish). Without this a gateway stopped during a pause would wait for its held calls."""
+        self.closed = True
+        self._open.set()  # wake the held calls; they see ``closed``
+
     async def enter(self) -> None:
         """Wait while paused (re-checking after every wake-up), then count the call as in flight.
 
-        Raises :class:`HeldTooLong` after ``max_hold_s`` seconds of waiting. Pair with :meth:`leave`.
+        Raises :class:`HeldTooLong` after ``max_hold_s`` seconds of waiting, :class:`GateClosed` once
+        :meth:`close` was called. Pair with :meth:`leave`.
         """
+        if self.closed:
+            raise GateClosed()
         if self.paused:
             self.held += 1
             deadline = time.monotonic() + self.max_hold_s
@@ -75,6 +89,8 @@ class PauseGate:
                         raise HeldTooLong() from None
             finally:
                 self.held -= 1
+            if self.closed:
+                raise GateClosed()
         self.in_flight += 1
 
     def leave(self) -> None:

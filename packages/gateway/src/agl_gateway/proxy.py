@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from .engines import Engines, NoEngine
 from .capture import MAX_JSON_DEPTH, MalformedUpstream, agent_view, extract_tokens, too_deep
 from .errors import ApiError, bad_request
-from .gate import HeldTooLong, PauseGate
+from .gate import GateClosed, HeldTooLong, PauseGate
 from .settings import GatewaySettings
 
 log = logging.getLogger("agl.gateway")
@@ -250,6 +250,9 @@ async def enter_gate(st: GatewayState) -> None:
     except HeldTooLong:
         raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
                        "server_error", "paused", {"Retry-After": "5"}) from None
+    except GateClosed:
+        raise ApiError(503, "gateway shutting down; retry (another replica, or this one once restarted)",
+                       "server_error", "shutting_down", {"Retry-After": "1"}) from None
 
 
 async def model_call(request: Request, spec: RouteSpec) -> Response:

@@ -9,6 +9,11 @@ did (it answered 400).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from types import FrameType
+
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 #: Largest request line + headers accepted (h11's default bound, which the gateway used before).
@@ -62,3 +67,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
             self._refuse()
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server that, on SIGTERM/SIGINT, also closes the app's pause gate (:meth:`PauseGate.close`).
+
+    uvicorn's graceful shutdown waits for every open request; a call held by a pause would keep the process
+    alive until the pause ends or ``--max-hold`` (600 s) passes. With the gate closed, held calls are
+    answered 503 ``shutting_down`` (``Retry-After: 1``) at once and in-flight calls finish normally.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        st = getattr(getattr(self.config.app, "state", None), "agl", None)
+        if st is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing is held
+                asyncio.get_running_loop().call_soon_threadsafe(st.gate.close)
+        super().handle_exit(sig, frame)
