@@ -92,7 +92,7 @@ async def test_reward_function_scores_final_output(store, gateway_url, tmp_path,
     assert out["right"].status == out["wrong"].status == RolloutStatus.succeeded
 
 
-async def test_concurrency_limit_and_shutdown_marks_runs(store, gateway_url, tmp_path):
+async def test_concurrency_limit_and_shutdown_hands_runs_back(store, gateway_url, tmp_path):
     runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", concurrency=2)
     for i in range(3):
         await store.create_rollout(Rollout(rollout_id=f"s{i}", input={"calls": 1, "sleep": 30,
@@ -110,5 +110,8 @@ async def test_concurrency_limit_and_shutdown_marks_runs(store, gateway_url, tmp
     stop.set()
     await asyncio.wait_for(task, 20)
     rollouts = [await store.get_rollout(f"s{i}") for i in range(3)]
-    ran = [r for r in rollouts if r.status != RolloutStatus.queuing]
-    assert len(ran) == 2 and all(r.status == RolloutStatus.failed and r.failure == "signal:15" for r in ran)
+    # the two interrupted runs are handed back: a new attempt each, queued again for the next controller
+    assert all(r.status == RolloutStatus.queuing for r in rollouts)
+    assert sorted(r.attempt_id for r in rollouts) == ["0", "1", "1"]
+    assert sorted(i.decode() for i in await store.r.lrange(store.key("queue"), 0, -1)) == ["s0", "s1", "s2"]
+    assert await store.claimed(runner.controller_id) == []

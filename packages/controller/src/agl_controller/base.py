@@ -195,6 +195,21 @@ class Runner:
             await self.store.release_claim(self.controller_id, rollout_id)
             return None
 
+    async def hand_back(self, rollout_id: str, attempt_id: str, reason: str) -> Rollout | None:
+        """An attempt interrupted by this controller's own shutdown: start a new attempt and queue it (whatever
+        ``max_attempts``), so the next controller runs it. Returns the rollout, or ``None`` if stale."""
+        try:
+            rollout = await self.store.retry_attempt(rollout_id, attempt_id)
+        except (RolloutNotFound, ValueError) as exc:
+            log.info("rollout %s attempt %s not handed back: %s", rollout_id, attempt_id, exc)
+            await self.store.release_claim(self.controller_id, rollout_id)
+            return None
+        await self.store.add_event(rollout_id, attempt_id, "attempt_interrupted", {"failure": reason})
+        await self.store.requeue_claim(self.controller_id, rollout_id)
+        log.info("rollout %s attempt %s interrupted by shutdown (%s): queued as attempt %s", rollout_id,
+                 attempt_id, reason, rollout.attempt_id)
+        return rollout
+
     async def _finish(self, rollout_id: str, attempt_id: str, failure: str | None, check_calls: bool) -> Rollout:
         def current(r: Rollout) -> None:
             if r.attempt_id != attempt_id or r.status != RolloutStatus.running:

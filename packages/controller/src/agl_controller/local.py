@@ -111,9 +111,10 @@ class LocalRunner(Runner):
         self._sem = asyncio.Semaphore(concurrency)
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        """Take queued rollouts until ``stop`` is set; then kill running groups and mark them failed.
+        """Take queued rollouts until ``stop`` is set; then kill running groups and hand their rollouts back.
 
         First takes the lease and adopts the claims of dead controllers; meanwhile renews the lease and
         reconciles every ``lease_ttl_s`` s.
@@ -151,7 +152,9 @@ class LocalRunner(Runner):
                 await self.store.drop_lease(self.controller_id)
 
     async def shutdown(self) -> None:
-        """SIGTERM every running group, SIGKILL after 3 s, and wait for their rollouts to be marked."""
+        """SIGTERM every running group, SIGKILL after 3 s, and wait until their rollouts are handed back
+        (a new attempt, queued for the next controller: an interrupted run is not the agent's failure)."""
+        self._stopping = True
         for proc in list(self._procs.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -210,4 +213,6 @@ class LocalRunner(Runner):
                     os.killpg(proc.pid, signal.SIGKILL)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
+        if self._stopping and failure is not None and failure.startswith(("signal", "oom_killed")):
+            return await self.hand_back(rollout_id, aid, failure)
         return await self.finish_attempt(rollout_id, aid, failure)

@@ -42,9 +42,10 @@ def serve(
 
     # httptools (cheaper per request than h11), with the request line + headers bounded (64 KiB, then 431):
     # httptools alone buffers a header of any size.
-    # GatewayServer: a SIGTERM during a pause answers held calls 503 instead of waiting for them.
+    # GatewayServer: a SIGTERM during a pause answers held calls 503 instead of waiting for them; calls still
+    # waiting on the engine 10 s after a SIGTERM are cancelled (unrecorded, so unacknowledged: agents retry).
     config = uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level, access_log=False,
-                            http=BoundedHttpToolsProtocol)
+                            http=BoundedHttpToolsProtocol, timeout_graceful_shutdown=10)
     GatewayServer(config).run()
 
 

