@@ -388,7 +388,10 @@ def test_serve_builds_its_settings_from_agl_env(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(app_module, "create_app", lambda settings: seen.setdefault("settings", settings))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("run", kw))
+    from agl_gateway import cli as cli_module
+
+    monkeypatch.setattr(cli_module, "run_server", lambda app, **kw: seen.setdefault("run", kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("the gateway must run GatewayServer"))
     env = {"AGL_UPSTREAM": "http://engine:8000/v1", "AGL_REDIS_URL": "redis://redis:6379/3", "AGL_PREFIX": "p:",
            "AGL_HOST": "0.0.0.0", "AGL_PORT": "8181", "AGL_KEY": "secret", "AGL_OPEN": "false",
            "AGL_MAX_HOLD": "30", "AGL_MODEL": "public", "AGL_MAX_BODY_BYTES": "1000", "AGL_LOG_LEVEL": "info",
