@@ -32,28 +32,27 @@ def serve(
     log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL"),
 ) -> None:
     """Serve the gateway (uvicorn, one process)."""
-
     from .app import create_app
 
     settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
                                port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes)
-    from .server import BoundedHttpToolsProtocol
-
-    # httptools (cheaper per request than h11), with the request line + headers bounded (64 KiB, then 431):
-    # httptools alone buffers a header of any size.
-    # GatewayServer: a SIGTERM during a pause answers held calls 503 instead of waiting for them; calls still
-    # waiting on the engine 10 s after a SIGTERM are cancelled (unrecorded, so unacknowledged: agents retry).
-    run_server(create_app(settings), host=host, port=port, log_level=log_level, access_log=False,
-               http=BoundedHttpToolsProtocol, timeout_graceful_shutdown=10)
+    run_server(create_app(settings), host=host, port=port, log_level=log_level)
 
 
 def run_server(app_, **config) -> None:
-    """Serve ``app_`` with :class:`GatewayServer`; ``config``: :class:`uvicorn.Config` keywords."""
+    """Serve ``app_`` with :class:`GatewayServer`; ``config``: more :class:`uvicorn.Config` keywords.
+
+    httptools (cheaper per request than h11) with the request line + headers bounded (64 KiB, then 431:
+    httptools alone buffers a header of any size). A SIGTERM during a pause answers held calls 503 instead
+    of waiting for them; calls still waiting on the engine 10 s after a SIGTERM are cancelled (unrecorded,
+    so unacknowledged: agents retry).
+    """
     import uvicorn
 
-    from .server import GatewayServer
+    from .server import BoundedHttpToolsProtocol, GatewayServer
 
-    GatewayServer(uvicorn.Config(app_, **config)).run()
+    GatewayServer(uvicorn.Config(app_, access_log=False, http=BoundedHttpToolsProtocol,
+                                 timeout_graceful_shutdown=10, **config)).run()
 
 
 def main() -> None:

