@@ -1,8 +1,11 @@
-"""Arithmetic word problems, generated with a fixed seed, with disjoint train and held-out splits.
+"""Arithmetic word problems, generated with a fixed seed, in three disjoint splits: train, validation, held-out.
 
-Operands 1..9 with + and − (never a negative answer): SmolLM2-135M-Instruct gets the final number right
-about 1 time in 6 at temperature 1.0 (shared/docs/machine-notes.md), so GRPO groups of 8 usually hold a
-success to learn from.
+Operands 1..9 with + and − (never a negative answer), 12 wordings. With SmolLM2-135M-Instruct at temperature
+1.0 the last number of a one-turn reply is right about 1 time in 10 (``shared/docs/machine-notes.md``), so
+GRPO groups of 8 often hold a success to learn from.
+
+The splits share no (wording, a, op, b). Settings (learning rate, budget, group sizes...) are chosen on the
+**validation** split; the **held-out** split is only ever evaluated (``heldout_problems``: 256 problems).
 """
 
 from __future__ import annotations
@@ -17,8 +20,16 @@ TEMPLATES = [
     ("There are {a} birds on a tree. {b} birds fly away. How many birds are left on the tree?", "-"),
     ("{name} reads {a} pages on Monday and {b} pages on Tuesday. How many pages did {name} read?", "+"),
     ("{name} had {a} coins and spent {b}. How many coins does {name} have now?", "-"),
+    ("{name} bakes {a} cookies and then {b} more. How many cookies did {name} bake?", "+"),
+    ("A shelf has {a} books. {name} takes {b} books away. How many books are on the shelf?", "-"),
+    ("{name} sees {a} cars and then {b} trucks. How many vehicles does {name} see?", "+"),
+    ("{name} has {a} balloons and {b} of them pop. How many balloons are left?", "-"),
+    ("A class has {a} girls and {b} boys. How many children are in the class?", "+"),
+    ("{name} picks {a} flowers and gives {b} to a friend. How many flowers does {name} keep?", "-"),
 ]
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia"]
+HELDOUT = 256
+VALIDATION = 64
 
 
 def _all_problems() -> list[dict]:
@@ -34,10 +45,12 @@ def _all_problems() -> list[dict]:
     return out
 
 
-def split(seed: int = 0, heldout: int = 64) -> tuple[list[dict], list[dict]]:
-    """All problems shuffled with ``seed``; the first ``heldout`` are held out, the rest train.
+def split(seed: int = 0, heldout: int = HELDOUT, validation: int = VALIDATION
+          ) -> tuple[list[dict], list[dict], list[dict]]:
+    """All problems (756) shuffled with ``seed``: ``(train, validation, held-out)``.
 
-    The two lists share no (template, a, op, b): disjoint by construction.
+    The first ``heldout`` are held out, the next ``validation`` validate, the rest (436) train. The three
+    lists share no (template, a, op, b): disjoint by construction.
     """
     problems = _all_problems()
     rng = random.Random(seed)
@@ -45,22 +58,26 @@ def split(seed: int = 0, heldout: int = 64) -> tuple[list[dict], list[dict]]:
     for p in problems:
         name = NAMES[p.pop("name_seed") % len(NAMES)]
         p["question"] = TEMPLATES[p["template"]][0].format(name=name, a=p["a"], b=p["b"])
-    return problems[heldout:], problems[:heldout]
+    return problems[heldout + validation:], problems[heldout: heldout + validation], problems[:heldout]
 
 
 def train_problems() -> list[dict]:
     return split()[0]
 
 
-def heldout_problems() -> list[dict]:
+def validation_problems() -> list[dict]:
     return split()[1]
+
+
+def heldout_problems() -> list[dict]:
+    return split()[2]
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def final_number(text: str) -> float | None:
-    """The last number in ``text`` (what the self-check turn is asked to reply with), or None."""
+    """The last number in ``text``, or None (lenient: "3 + 4 = 7." and "The answer is 7" both give 7)."""
     found = _NUMBER.findall(text or "")
     return float(found[-1]) if found else None
 
@@ -69,6 +86,11 @@ def reward(task: dict, output: str) -> float:
     """Exact match: 1.0 if the last number of the final answer equals the answer, else 0.0."""
     value = final_number(output)
     return 1.0 if value is not None and value == float(task["answer"]) else 0.0
+
+
+def is_correct(task: dict, reward: float | None) -> bool:
+    """What counts as solved for this task's accuracy (the trainer asks the task, not ``reward > 0.5``)."""
+    return reward is not None and reward >= 1.0
 
 
 def report(task: dict, answer: str) -> float:

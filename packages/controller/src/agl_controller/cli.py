@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import signal
 
 import typer
@@ -13,6 +14,10 @@ from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from .base import DEFAULT_RETRY_ON
 
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
+
+
+def _modules(text: str | None) -> list[str]:
+    return [m.strip() for m in (text or "").split(",") if m.strip()]
 
 
 @app.callback()
@@ -44,6 +49,9 @@ def run(
     jobs_per_minute: int = typer.Option(60, envvar="AGL_JOBS_PER_MINUTE", min=1, help="k8s: Job creation limit"),
     ttl_after_finished: int = typer.Option(3600, envvar="AGL_TTL_AFTER_FINISHED",
                                            help="k8s: ttlSecondsAfterFinished of each Job"),
+    preload: str = typer.Option(None, "--preload", envvar="AGL_PRELOAD",
+                                help="local, Python harnesses: comma-separated modules imported once; each run is "
+                                     "forked from that warm interpreter instead of started anew"),
     dry_run: bool = typer.Option(False, "--dry-run", help="k8s: print the rendered Job manifests and exit"),
     inputs: list[str] = typer.Option(None, "--input", help="k8s --dry-run: a rollout input as JSON (repeatable); "
                                                              "default: the rollouts now queued in Redis"),
@@ -59,6 +67,13 @@ def run(
         if not command:
             typer.echo("--command is required in local mode", err=True)
             raise typer.Exit(2)
+        from .spawn import LaunchError, Launcher
+
+        try:  # checked before anything starts: a command preload cannot fork is a usage error
+            Launcher(shlex.split(command), _modules(preload))
+        except LaunchError as exc:
+            typer.echo(f"--preload: {exc}", err=True)
+            raise typer.Exit(2) from None
     elif mode == "k8s":
         if not template:
             typer.echo("--template is required in k8s mode", err=True)
@@ -78,7 +93,7 @@ def run(
             from .local import LocalRunner
 
             runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
-                                 log_dir=log_dir, **common)
+                                 log_dir=log_dir, preload=_modules(preload), **common)
         else:
             from .k8s import K8sRunner, load_api_client
 

@@ -39,6 +39,7 @@ from agl_common.schemas import Rollout
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
+from .spawn import Launcher
 
 log = logging.getLogger("agl.controller")
 
@@ -89,6 +90,10 @@ class LocalRunner(Runner):
         reward_fn: ``module:function`` used when the run reported no reward itself.
         log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log``.
         max_attempts, retry_on, controller_id, lease_ttl_s: see :class:`agl_controller.base.Runner`.
+        preload: Python modules to import once and fork each run from (:mod:`agl_controller.spawn`);
+            empty: exec the command for each run.
+
+    Raises :class:`agl_controller.spawn.LaunchError` if ``preload`` is set for a command it cannot fork.
     """
 
     def __init__(self, store: Store, gateway_url: str, command: list[str] | str, model: str,
@@ -96,11 +101,12 @@ class LocalRunner(Runner):
                  reward_fn: str | None = None, log_dir: Path | str = "runs/logs", cwd: str | None = None,
                  extra_env: dict[str, str] | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0):
+                 lease_ttl_s: float = 15.0, preload: list[str] | None = None):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
                          controller_id=controller_id, lease_ttl_s=lease_ttl_s)
         self.gateway_url = gateway_url
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        self.launcher = Launcher(self.command, preload)
         self.model = model
         self.concurrency = concurrency
         self.timeout_s = timeout_s
@@ -109,7 +115,7 @@ class LocalRunner(Runner):
         self.cwd = cwd
         self.extra_env = extra_env or {}
         self._sem = asyncio.Semaphore(concurrency)
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, object] = {}  # rollout id → a process with ``pid`` (its process group)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -188,29 +194,26 @@ class LocalRunner(Runner):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{rollout_id}.{aid}.log"
         failure: str | None = None
-        with open(log_path, "wb") as logf:
-            try:
-                proc = await asyncio.create_subprocess_exec(*self.command, env=env, stdout=logf, stderr=logf,
-                                                            stdin=asyncio.subprocess.DEVNULL, cwd=self.cwd,
-                                                            start_new_session=True)
-            except OSError as exc:
-                log.warning("cannot start %s: %s", self.command, exc)
-                return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
-            self._procs[rollout_id] = proc
-            t0 = time.monotonic()
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=self.timeout_s)
-                failure = _outcome(proc.returncode)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-                failure = "timeout"
-            finally:
-                self._procs.pop(rollout_id, None)
-                # Reap anything the harness left behind in its group.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc = await self.launcher.start(env, self.cwd, log_path)
+        except OSError as exc:
+            log.warning("cannot start %s: %s", self.command, exc)
+            return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
+        self._procs[rollout_id] = proc
+        t0 = time.monotonic()
+        waiter = asyncio.ensure_future(proc.wait())
+        try:
+            failure = _outcome(await asyncio.wait_for(asyncio.shield(waiter), timeout=self.timeout_s))
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await waiter
+            failure = "timeout"
+        finally:
+            self._procs.pop(rollout_id, None)
+            # Reap anything the harness left behind in its group.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
         if self._stopping and failure is not None and failure.startswith(("signal", "oom_killed")):

@@ -77,12 +77,13 @@ def demo(
     steps: int = typer.Option(None, help="training steps (default from TrainConfig)"),
     out_dir: Path = typer.Option(None, help="where runs are written"),
     engine_url: str = typer.Option(None, help="use this running vLLM instead of starting one"),
+    seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the mini-batches"),
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
-    overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url}.items()
-                 if v is not None}
+    overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
+                                   "seed": seed}.items() if v is not None}
     _run(TrainConfig(**overrides))
 
 

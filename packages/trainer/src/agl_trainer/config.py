@@ -1,6 +1,7 @@
 """Training configuration: one pydantic model, the single home of every default.
 
-``agl-trainer demo`` runs these defaults as they are (sized to about 15 minutes on 2 CPU cores);
+``agl-trainer demo`` runs these defaults as they are (at most 30 minutes of training on 2 CPU cores, plus
+the held-out evaluations before and after; how they were chosen: docs/learning.md);
 ``agl-trainer train CONFIG`` reads a YAML file whose keys are the field names below.
 """
 
@@ -22,16 +23,27 @@ class TrainConfig(BaseModel):
     # the harness and its task
     command: str = Field("python examples/arithmetic/agent.py",
                          description="harness command line, run once per rollout (cwd: the current directory)")
+    task_variant: str = Field("arithmetic-one-turn", description="a label for the task variant, written to "
+                              "summary.json (the two-call agent: arithmetic-self-check)")
+    preload: list[str] = Field(["agents"], description="Python harnesses: modules the controller imports once and "
+                               "forks every run from (agl-controller --preload); [] starts each run anew")
     task_file: str = Field("examples/arithmetic/task.py", description="Python file with the task functions")
     train_fn: str = "train_problems"
     heldout_fn: str = "heldout_problems"
+    correct_fn: str = Field("is_correct", description="task function (input, reward) -> bool: what counts as "
+                            "solved for accuracy (absent from the task file: reward >= 1)")
     reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
     # sizes
-    steps: int = 5
-    groups_per_step: int = 4
+    steps: int = 40
+    max_train_minutes: float | None = Field(30.0, description="stop training after the step that passes this many "
+                                            "minutes of training (evaluations excluded); None: run every step")
+    groups_per_step: int = 8
     group_size: int = 8
-    eval_size: int = 40
-    concurrency: int = 8
+    eval_size: int = Field(256, description="held-out inputs evaluated before and after training")
+    eval_every: int = Field(4, description="during training, evaluate the first eval_subset held-out inputs every "
+                            "this many steps (0: never)")
+    eval_subset: int = Field(64, description="held-out inputs of the evaluations during training (a fixed subset)")
+    concurrency: int = 32
     active_groups: int | None = Field(None, description="groups in flight; more than groups_per_step = "
                                       "collocated async RL (None: synchronous)")
     max_staleness: int = Field(1, description="async: drop a group created more than this many versions ago")
@@ -43,16 +55,16 @@ class TrainConfig(BaseModel):
         "norm_by_std) or rloo (leave-one-out mean of the other rollouts of the group, never std-normalized)")
     norm_by_std: bool = Field(True, description="grpo only: divide by the group's reward std")
     min_group_size: int = Field(2, description="train on a group only if this many rollouts succeeded")
-    lr: float = 2e-4
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    lr: float = 3e-4
+    lora_rank: int = 16
+    lora_alpha: int = 32
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float | None = 3.0
     tis_cap: float | None = Field(None, description="truncated importance sampling cap against the engine's "
                                   "logprobs (None: PPO ratio against the engine's logprobs directly)")
     ppo_mini_batch_rollouts: int | None = Field(
-        None, ge=1, description="rollouts per optimizer step: a step's batch is split by rollout (all rows of "
+        32, ge=1, description="rollouts per optimizer step: a step's batch is split by rollout (all rows of "
         "a rollout together, seeded order) into mini-batches of this many, one optimizer step each, loss "
         "normalized per rollout within each (None: one step over the whole batch)")
     max_updates_per_step: int | None = Field(

@@ -27,18 +27,33 @@ from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
 
 
-def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
-    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
-
-    Raises ``FileNotFoundError`` if the file is missing, ``AttributeError`` if ``fn`` is not in it.
-    """
+def _task_module(task_file: str | Path):
     path = Path(task_file)
     if not path.exists():
         raise FileNotFoundError(f"task file {path} not found (run from the repository root?)")
     spec = importlib.util.spec_from_file_location(f"agl_task_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(getattr(module, fn)())
+    return module
+
+
+def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
+    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
+
+    Raises ``FileNotFoundError`` if the file is missing, ``AttributeError`` if ``fn`` is not in it.
+    """
+    return list(getattr(_task_module(task_file), fn)())
+
+
+def default_is_correct(task: dict, reward: float | None) -> bool:
+    """Used when the task file defines no ``is_correct``: a reward of at least 1 counts as solved."""
+    return reward is not None and reward >= 1.0
+
+
+def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Callable[[dict, float | None], bool]:
+    """The task's own notion of a solved input, ``fn(task, reward) -> bool`` from ``task_file`` (its
+    ``is_correct`` by default), or :func:`default_is_correct` if the file has none."""
+    return getattr(_task_module(task_file), fn or "is_correct", default_is_correct)
 
 
 async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int) -> list[str]:
@@ -91,19 +106,21 @@ def select_groups(rollouts: list[Rollout], min_group_size: int) -> tuple[list[Ro
 
 
 async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
-                      decode: Callable[[list[int]], str] | None = None, eos_token_ids: set[int] | None = None
-                      ) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
+                      decode: Callable[[list[int]], str] | None = None, eos_token_ids: set[int] | None = None,
+                      calls: dict[str, list] | None = None) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
     """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics.
 
     The advantage is computed once per rollout with ``cfg.advantage`` (``grpo`` or ``rloo``, see
     :func:`agl_trainer.advantage.rollout_advantages`) and repeated for each of the rollout's rows.
 
     ``decode`` (token ids → text) and ``eos_token_ids`` go to :func:`build_rows` (merge-break classes).
+    ``calls``: the rollouts' call records already read (rollout id → records); read from ``store`` if absent.
     """
     stats = AggregateStats()
     per_rollout: list[tuple[Rollout, list[Row]]] = []
     for r in rollouts:
-        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), cfg.aggregation, stats,
+        recs = calls[r.rollout_id] if calls is not None else await store.read_calls(r.rollout_id, r.attempt_id)
+        rows = build_rows(recs, cfg.aggregation, stats,
                           decode=decode, eos_token_ids=eos_token_ids, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_response_tokens=cfg.max_response_tokens)
         if rows:
@@ -122,13 +139,21 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
 
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
-                   on_progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
-    """One rollout per held-out problem under the current policy; a failed rollout counts as wrong."""
+                   on_progress: Callable[[int, int], None] | None = None,
+                   is_correct: Callable[[dict, float | None], bool] = default_is_correct) -> dict:
+    """One rollout per held-out problem under the current policy; a failed rollout counts as wrong.
+
+    Returns ``accuracy`` (solved / n, solved as the task's ``is_correct`` says), ``n``, ``failed``,
+    ``reward_mean`` and ``correct`` (one 0/1 per problem, in the order of ``problems``).
+    """
     ids = await create_rollouts(store, problems, 1, tag, version)
     rollouts = await wait_terminal(store, ids, timeout_s, on_progress)
-    correct = sum(1 for r in rollouts if r.status == RolloutStatus.succeeded and (r.reward or 0) > 0.5)
+    correct = [int(r.status == RolloutStatus.succeeded and is_correct(p, r.reward))
+               for p, r in zip(problems, rollouts)]
     failed = sum(1 for r in rollouts if r.status == RolloutStatus.failed)
-    return {"accuracy": correct / len(rollouts), "failed": failed, "n": len(rollouts)}
+    rewards = [r.reward or 0.0 for r in rollouts]
+    return {"accuracy": sum(correct) / len(rollouts), "failed": failed, "n": len(rollouts),
+            "reward_mean": sum(rewards) / len(rollouts), "correct": correct}
 
 
 def new_run_id() -> str:

@@ -86,6 +86,16 @@ class Services:
             time.sleep(1.0)
         raise ServiceError(f"{name} not ready after {timeout_s:.0f} s; see {self.log_dir / (name + '.log')}")
 
+    def expect_running(self, name: str, seconds: float = 3.0) -> None:
+        """Wait ``seconds`` and raise :class:`ServiceError` (pointing at its log) if ``name`` has exited:
+        for services with no health route (the controller), a bad option shows here, not as a timeout."""
+        proc = self.procs[name]
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return
+        raise ServiceError(f"{name} exited with {proc.returncode}; see {self.log_dir / (name + '.log')}")
+
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name, None)
         if proc is None or proc.poll() is not None:
@@ -149,10 +159,14 @@ class Services:
         return url
 
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
-                         concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None) -> None:
+                         concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
+                         preload: list[str] | None = None) -> None:
         argv = [sys.executable, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
                 "--gateway", gateway_url, "--redis", redis_url, "--prefix", prefix, "--model", model,
                 "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:
             argv += ["--reward-fn", reward_fn]
+        if preload:
+            argv += ["--preload", ",".join(preload)]
         self.start("controller", argv)
+        self.expect_running("controller")

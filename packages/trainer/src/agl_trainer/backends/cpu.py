@@ -110,6 +110,30 @@ class CpuBackend:
                 out[i] = lp[j, : len(rows[i].response_ids)].tolist()
         return out
 
+    kl_sample_rows = 16
+
+    @torch.no_grad()
+    def kl_to_base(self, rows: list[Row]) -> float:
+        """Mean per-token KL(π‖π_base) over the sampled tokens (response mask 1) of ``rows``, in nats.
+
+        The k3 estimator of Schulman ("Approximating KL divergence", 2020): ``E[exp(d) - d - 1]`` with
+        ``d = log π_base(t) - log π(t)`` on tokens ``t`` sampled by the engine; ``π_base`` is the model with
+        the LoRA adapter disabled. 0.0 for no rows.
+        """
+        if not rows:
+            return 0.0
+        self.model.eval()
+        total, count = 0.0, 0.0
+        for mb in self._micro_batches(list(range(len(rows))), rows):
+            batch = [rows[i] for i in mb]
+            lp, mask = self._response_logprobs(batch)
+            with self.model.disable_adapter():
+                base, _ = self._response_logprobs(batch)
+            d = base - lp
+            total += float(((d.exp() - d - 1) * mask).sum())
+            count += float(mask.sum())
+        return total / max(count, 1.0)
+
     # ------------------------------------------------------------------ update
     def update(self, rows: list[Row], row_advantages: list[float]) -> dict[str, float]:
         """Clipped PPO over ``rows``: one optimizer step per mini-batch, loss normalized per rollout.
@@ -126,7 +150,9 @@ class CpuBackend:
             row_advantages: the rollout's advantage for each row (broadcast over its tokens).
         Returns:
             stats: ``loss`` and ``grad_norm`` (pre-clip) averaged over the optimizer steps, ``clip_frac`` and
-            ``ratio_mean`` averaged over micro-batches, ``train_tokens`` (sampled tokens trained on),
+            ``ratio_mean`` averaged over micro-batches, ``ratio_first`` / ``clip_frac_first`` of the first
+            micro-batch (before any optimizer step of this update: ≈ 1 / 0 unless engine and trainer disagree),
+            ``kl`` (:meth:`kl_to_base` on up to ``kl_sample_rows`` rows, after the update), ``train_tokens`` (sampled tokens trained on),
             ``updates`` (optimizer steps), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
             ``update_s`` (seconds).
         """
@@ -147,6 +173,8 @@ class CpuBackend:
             tokens += n_tokens
         return {"loss": sum(losses) / len(losses), "clip_frac": sum(clip_fracs) / len(clip_fracs),
                 "ratio_mean": sum(ratios) / len(ratios), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "ratio_first": ratios[0], "clip_frac_first": clip_fracs[0],
+                "kl": self.kl_to_base([rows[i] for i in plan.kept[: self.kl_sample_rows]]),
                 "train_tokens": tokens, "updates": len(plan.batches), "dropped_rollouts": plan.dropped_rollouts,
                 "dropped_rows": plan.dropped_rows, "update_s": time.perf_counter() - t0}
 

@@ -1,0 +1,157 @@
+"""Starting one harness process per rollout attempt: exec it, or fork it from a warm Python interpreter.
+
+``exec`` (the default) runs the command line as it is: a new process group per attempt.
+
+``preload`` (opt-in, Python harnesses only) is for harnesses whose *imports* cost more than their run: the
+OpenAI Agents SDK takes ~1.9 CPU-seconds to import (mostly pydantic models of the MCP types), paid again by
+every rollout. Here the standard library's ``multiprocessing`` forkserver imports the named modules once,
+and each attempt is a ``fork()`` of that warm interpreter which then runs the harness's script (or ``-m``
+module) as ``__main__`` with ``runpy``, in its own session (process group), with the attempt's environment,
+working directory and log file. The harness's code is unchanged and still runs once per process; what is
+shared is only the state its modules had right after import. Not for harnesses that read environment
+variables *at import time* of a preloaded module (they would see the controller's environment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import multiprocessing
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+
+class LaunchError(OSError):
+    """The harness could not be started (bad command, missing script, interpreter mismatch)."""
+
+
+class ExecProcess:
+    """A harness started with ``exec`` (``asyncio`` subprocess in a new session)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self._proc = proc
+        self.pid = proc.pid
+
+    async def wait(self) -> int:
+        """Exit code (``-N`` for signal N)."""
+        return await self._proc.wait()
+
+
+class ForkedProcess:
+    """A harness forked from the preloading forkserver; its ``sentinel`` becomes readable at exit."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self._proc = proc
+        self.pid = proc.pid
+
+    async def wait(self) -> int:
+        """Exit code (``-N`` for signal N); waits on the process sentinel without a thread."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        fd = self._proc.sentinel
+        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        try:
+            await done
+        finally:
+            loop.remove_reader(fd)
+        self._proc.join()
+        code = self._proc.exitcode
+        self._proc.close()
+        return code if code is not None else -signal.SIGKILL
+
+
+def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str) -> None:
+    """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``)."""
+    os.setsid()  # its own process group, like exec mode: the runner kills the group
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    try:
+        if argv[1] == "-m":
+            sys.argv = [argv[2], *argv[3:]]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[1])
+            sys.argv = [script, *argv[2:]]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing ends the child with os._exit: run the harness's atexit hooks
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+
+
+class Launcher:
+    """Starts harness processes for :class:`agl_controller.local.LocalRunner`.
+
+    Args:
+        command: the harness argv.
+        preload: modules to import once and fork every attempt from (empty: ``exec`` each attempt).
+
+    Raises :class:`LaunchError` if ``preload`` is set and the command is not ``PYTHON SCRIPT.py ...`` or
+    ``PYTHON -m MODULE ...`` run by this controller's own interpreter (the forkserver is this interpreter).
+    """
+
+    def __init__(self, command: list[str], preload: list[str] | None = None):
+        self.command = list(command)
+        self.preload = [m for m in (preload or []) if m]
+        self._ctx = None
+        if self.preload:
+            if len(self.command) < 2 or (self.command[1] == "-m" and len(self.command) < 3):
+                raise LaunchError(f"preload needs a Python command (python script.py ...), got {self.command}")
+            exe = self.command[0]
+            resolved = Path(exe if os.sep in exe else (_which(exe) or exe))
+            if resolved.absolute() != Path(sys.executable).absolute() and \
+                    resolved.resolve() != Path(sys.executable).resolve():
+                raise LaunchError(f"preload forks this controller's Python ({sys.executable}); the command runs "
+                                  f"{exe}: use the same interpreter or drop --preload")
+            import importlib.util
+
+            missing = [m for m in self.preload if importlib.util.find_spec(m) is None]
+            if missing:  # the forkserver would skip them silently
+                raise LaunchError(f"preload: no module named {', '.join(missing)}")
+            self._ctx = multiprocessing.get_context("forkserver")
+            self._ctx.set_forkserver_preload([__name__, *self.preload])
+
+    @property
+    def mode(self) -> str:
+        return "preload" if self.preload else "exec"
+
+    async def start(self, env: dict[str, str], cwd: str | None, log_path: Path) -> ExecProcess | ForkedProcess:
+        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to ``log_path``.
+
+        Raises ``OSError`` (e.g. :class:`LaunchError`, ``FileNotFoundError``) if it cannot start.
+        """
+        if self._ctx is None:
+            with open(log_path, "wb") as logf:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.command, env=env, stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
+                    cwd=cwd, start_new_session=True)
+            return ExecProcess(proc)
+        if self.command[1] != "-m":
+            script = Path(cwd or ".") / self.command[1]
+            if not script.is_file():
+                raise FileNotFoundError(f"harness script {script} not found")
+        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path)), daemon=False)
+        await asyncio.to_thread(proc.start)  # the first start launches the forkserver and imports ``preload``
+        return ForkedProcess(proc)
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
