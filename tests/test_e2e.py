@@ -24,7 +24,8 @@ pytestmark = pytest.mark.e2e
 def stack(services, engine, redis_url, prefix, tmp_path):
     """A gateway and a controller (real processes) for one test's key prefix."""
     gw = services.start_gateway(engine, redis_url, prefix, "smollm2")
-    services.start_controller(f"{sys.executable} examples/arithmetic/agent.py", gw, redis_url, prefix, "smollm2",
+    services.start_controller(f"{sys.executable} examples/arithmetic/agent.py --self-check", gw, redis_url, prefix,
+                              "smollm2",
                               concurrency=4, timeout_s=180, log_dir=tmp_path / "runs")
     yield {"gateway": gw, "engine": engine, "logs": tmp_path / "runs"}
     services.stop("controller")
@@ -118,7 +119,8 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
 def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     """`agl-trainer train CONFIG` (tiny sizes, the running engine), then `rollouts export`."""
     cfg = tmp_path / "tiny.yaml"
-    settings = {"steps": 1, "groups_per_step": 2, "active_groups": 3, "group_size": 3, "eval_size": 4,
+    settings = {"command": "python examples/arithmetic/agent.py --self-check", "task_variant": "arithmetic-self-check",
+                "steps": 1, "groups_per_step": 2, "active_groups": 3, "group_size": 3, "eval_size": 4,
                 "concurrency": 4, "engine_url": engine, "redis_url": redis_url, "prefix": prefix,
                 "out_dir": str(tmp_path / "runs"), "tis_cap": 2.0}
     cfg.write_text(json.dumps(settings))
@@ -132,7 +134,10 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     assert [m.get("eval") for m in lines if "eval" in m] == ["before", "after"]
     steps = [m for m in lines if "step" in m]
     assert len(steps) == 1 and steps[0]["calls_per_rollout"] >= 2 and "merge_breaks" in steps[0]
-    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert (run_dir / "accuracy_curve.png").stat().st_size > 1000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["heldout_n"] == 4 and summary["steps"] == 1 and summary["task_variant"] == "arithmetic-self-check"
+    assert 0 <= summary["heldout_before"] <= 1 and summary["train_minutes"] > 0
     assert steps[0]["carried_over"] == 1  # collocated async: 3 groups in flight, 2 trained
     # step 2: the trainer is killed (SIGKILL) mid-step, once completions are delivered and not committed;
     # the restarted one takes them over and trains every group once: none lost, none twice

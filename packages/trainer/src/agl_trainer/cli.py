@@ -129,7 +129,8 @@ def rollouts_create(
 
 
 @rollouts_app.command("list")
-def rollouts_list(limit: int = typer.Option(100), as_json: bool = typer.Option(False, "--json"),
+def rollouts_list(limit: int = typer.Option(100, help="show the latest this many (0: all)"),
+                  as_json: bool = typer.Option(False, "--json"),
                   run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """The latest rollouts with their status, reward and failure."""
@@ -138,12 +139,15 @@ def rollouts_list(limit: int = typer.Option(100), as_json: bool = typer.Option(F
         store = _store(redis, prefix)
         try:
             ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
-            ids = [i for i in ids if run is None or i.startswith(run)][-limit:]
-            return await store.get_rollouts(ids)
+            ids = [i for i in ids if run is None or i.startswith(run)]
+            shown = ids[-limit:] if limit > 0 else ids
+            return await store.get_rollouts(shown), len(ids)
         finally:
             await store.close()
 
-    items = asyncio.run(main())
+    items, total = asyncio.run(main())
+    if len(items) < total:
+        err.print(f"showing the latest {len(items)} of {total} rollouts (--limit 0 shows all)")
     if as_json:
         for r in items:
             sys.stdout.write(r.model_dump_json() + "\n")

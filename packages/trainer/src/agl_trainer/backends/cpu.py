@@ -110,7 +110,7 @@ class CpuBackend:
                 out[i] = lp[j, : len(rows[i].response_ids)].tolist()
         return out
 
-    kl_sample_rows = 16
+    kl_sample_rows = 8
 
     @torch.no_grad()
     def kl_to_base(self, rows: list[Row]) -> float:
