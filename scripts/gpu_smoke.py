@@ -1,29 +1,31 @@
 #!/usr/bin/env python
-"""GPU smoke test of AGL on verl 0.9.1: a random-initialized tiny Llama, the tiny tokenizer shipped in
-``agl_trainer/assets/tiny-tokenizer``, a few steps; no network, no downloaded weights. < 10 minutes.
+"""GPU smoke test of AGL on verl 0.9.1 (one CUDA GPU, < 10 minutes, no network, no downloaded weights).
 
-Run it with the Python of an environment that has verl 0.9.1 and a CUDA torch (see docs/verl.md), from
-the repository root::
+Run it from the repository root with the Python of an environment that has verl 0.9.1 with vLLM and a CUDA
+torch, plus AGL's services (see docs/verl.md, "Install and run on a GPU")::
 
-    python scripts/gpu_smoke.py actor            # ~1 min: AGL rows -> DataProto -> agl_per_rollout on CUDA
-    python scripts/gpu_smoke.py ppo              # ~5-8 min: verl's own GRPO trainer (Ray, FSDP, vLLM
-                                                 #   rollout with sleep/wake and weight sync), 2 steps,
-                                                 #   actor loss = agl_per_rollout from verl's registry
-    python scripts/gpu_smoke.py all --out DIR    # both; a JSON summary in DIR/gpu_smoke.json
+    python scripts/gpu_smoke.py all --out runs/gpu_smoke      # env, maths, actor, loop; JSON in runs/gpu_smoke
 
-Stages:
+Each stage is recorded in ``gpu_smoke.json`` as ok / failed (with the error) / skipped (with what was
+missing), with its timings; the script goes on after a failure and exits 1 if any stage failed:
 
-- ``actor``: builds the model from a config, samples 12 rollouts in 3 groups from it (some with two
-  calls merged into one row with context tokens, some split into two rows), per-rollout GRPO
-  advantages, ``rows_to_batch`` -> ``to_dataproto``, then 3 optimizer steps with the loss fetched from
-  verl's registry (``get_policy_loss_fn("agl_per_rollout")``). Checks: the first step is on-policy
-  (ratio 1 to 1e-4), losses are finite, the weights move. ``--device cpu`` runs it without a GPU.
-- ``ppo``: writes a tiny parquet data set and a reward function, saves the model, and runs
-  ``python -m verl.trainer.main_ppo`` (TaskRunnerV1) for 2 steps with ``adv_estimator=grpo``,
-  ``policy_loss.loss_mode=agl_per_rollout`` (registered in every Ray worker through
-  ``VERL_USE_EXTERNAL_MODULES``), vLLM rollout with ``load_format=dummy`` (so the first weight sync is
-  what makes the engine serve the actor's weights). Checks: exit code 0 and two logged steps.
+- ``env``: CUDA visible, device names, free memory, versions of torch, transformers, peft, verl, vllm, ray,
+  redis, litellm and AGL's gateway (missing ones listed).
+- ``maths``: AGL's own update maths on the device, no verl: a random tiny Llama (the tokenizer shipped in
+  ``agl_trainer/assets/tiny-tokenizer``), 12 sampled rollouts, per-rollout GRPO advantages, ``ppo_loss``
+  with per-rollout weights, 3 AdamW steps; first ratio 1, finite loss, weights move. Runs where only
+  PyTorch, transformers and peft are installed.
+- ``actor``: the same through verl: ``rows_to_batch`` → ``DataProto`` → ``agl_per_rollout`` from verl's
+  policy-loss registry (needs verl).
+- ``loop``: AGL's run loop driving verl's ``RayPPOTrainer`` with verl's vLLM rollout through AGL's gateway
+  (``python -m agl_trainer.backends.verl_main --gpu``), 2 steps of 2 groups × 2 rollouts on a tiny random
+  model (``--model DIR`` for a real one). Checks: chat calls answered through the gateway and recorded with
+  token ids and logprobs; ``sleep_replicas`` frees GPU memory; the first PPO ratio within 1e-2 of 1; the
+  engine's logprobs of an earlier call change after ``update_weights(1)``; calls after the resume recorded
+  with version 1. Needs verl, vLLM, Ray, Redis (``redis-server`` on PATH or ``AGL_REDIS_URL``), AGL's gateway.
+- ``ppo`` (not in ``all``): verl's own ``main_ppo`` GRPO for 2 steps with ``agl_per_rollout``.
 
+``--device cpu`` runs ``maths`` and ``actor`` without a GPU (a dry run of the script itself).
 ``build-tokenizer SRC_DIR`` (maintainers only) rebuilds the shipped tokenizer from SmolLM2's
 ``tokenizer.json``: the first 2048 ids of its byte-level BPE and the merges among them.
 """
@@ -191,7 +193,7 @@ def stage_actor(device: str, steps: int = 3) -> dict:
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history), history
     assert abs(history[0]["actor/agl_ratio_mean"] - 1.0) < 1e-4, "first step is not on-policy"
     assert moved > 0, "weights did not change"
-    return {"stage": "actor", "device": device, **info, "steps": history, "max_weight_change": moved,
+    return {"stage": "actor", "ok": True, "device": device, **info, "steps": history, "max_weight_change": moved,
             "seconds": time.perf_counter() - t0}
 
 
@@ -264,33 +266,208 @@ def stage_ppo(work: Path, timeout_s: int = 480) -> dict:
             "log": str(log), "seconds": time.perf_counter() - t0}
 
 
+# --------------------------------------------------------------------------- env and AGL's loop on verl
+def stage_env() -> dict:
+    """What this machine has: CUDA devices and the versions of the stack (missing packages listed)."""
+    import importlib
+
+    info: dict = {"stage": "env", "ok": True, "python": sys.version.split()[0], "packages": {}, "missing": []}
+    for name in ("torch", "transformers", "peft", "verl", "vllm", "ray", "redis", "litellm", "agl_gateway"):
+        try:
+            mod = importlib.import_module(name)
+            info["packages"][name] = getattr(mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+            info["missing"].append(f"{name} ({type(e).__name__})")
+    import torch
+
+    info["cuda_available"] = torch.cuda.is_available()
+    info["cuda_version"] = torch.version.cuda
+    if torch.cuda.is_available():
+        info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        free, total = torch.cuda.mem_get_info(0)
+        info["gpu_free_gb"], info["gpu_total_gb"] = free / 2**30, total / 2**30
+    return info
+
+
+def stage_maths(device: str) -> dict:
+    """AGL's own update maths on ``device`` without verl: per-rollout GRPO advantages, ``ppo_loss`` with
+    per-rollout weights, 3 AdamW steps of a tiny model on sampled rollouts; first ratio 1, weights move."""
+    import torch
+    from agl_trainer.loss import per_rollout_token_weights, ppo_loss
+
+    t0 = time.perf_counter()
+    model, tok = make_model(device)
+    batch, info = _sample_rollouts(model, tok, device)
+    t = {k: v.to(device) for k, v in batch["tensors"].items()}
+    rindex = torch.tensor([sorted(set(batch["non_tensors"]["agl_rollout_id"])).index(r)
+                           for r in batch["non_tensors"]["agl_rollout_id"]], device=device)
+    weights = per_rollout_token_weights(t["response_mask"], rindex)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    history = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        lp = response_logprobs(model, t)
+        adv = t["advantages"].sum(-1) / t["response_mask"].sum(-1).clamp(min=1)
+        loss, st = ppo_loss(lp, t["old_log_probs"], adv, weights, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+        loss.backward()
+        opt.step()
+        history.append({"step": step + 1, "loss": float(loss.detach()), **st})
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
+    ok = abs(history[0]["ratio_mean"] - 1.0) < 1e-4 and moved > 0 and all(
+        torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    return {"stage": "maths", "ok": ok, "device": device, **info, "steps": history, "max_weight_change": moved,
+            "seconds": time.perf_counter() - t0}
+
+
+LOOP_AGENT = '''
+import json, os, httpx
+task = json.loads(os.environ["AGL_INPUT"])
+h = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=h, timeout=300,
+               json={"model": os.environ["AGL_MODEL"], "max_tokens": 16, "temperature": 1.0,
+                     "messages": [{"role": "user", "content": task["question"]}]})
+r.raise_for_status()
+i = int(os.environ["AGL_ROLLOUT_ID"].rsplit("-", 1)[1])
+httpx.post(os.environ["AGL_REWARD_URL"], json={"value": float(i % 2)}, headers=h).raise_for_status()
+'''
+LOOP_TASK = '''
+def train_problems():
+    return [{"question": f"What is {a} + {a + 1}?"} for a in range(1, 9)]
+
+def heldout_problems():
+    return []
+'''
+
+
+def stage_loop(work: Path, model_dir: Path | None, timeout_s: int = 540) -> dict:
+    """AGL's run loop driving verl's RayPPOTrainer on one GPU with verl's vLLM rollout, through AGL's
+    gateway (``python -m agl_trainer.backends.verl_main --gpu``), 2 steps of 2 groups × 2 rollouts."""
+    import shutil
+
+    t0 = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    if shutil.which("redis-server") is None and not os.environ.get("AGL_REDIS_URL"):
+        return {"stage": "loop", "ok": None, "skipped": "no redis-server on PATH and no AGL_REDIS_URL"}
+    if model_dir is None:  # a tiny random model is enough to check the mechanics
+        model, tok = make_model("cpu")
+        model_dir = work / "model"
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    (work / "agent.py").write_text(LOOP_AGENT)
+    (work / "task.py").write_text(LOOP_TASK)
+    prefix = f"gpu-smoke-{os.getpid()}:"
+    redis_url = os.environ.get("AGL_REDIS_URL", "redis://127.0.0.1:6379/15")
+    cfg = {"command": f"python {work / 'agent.py'}", "task_file": str(work / "task.py"), "steps": 2,
+           "groups_per_step": 2, "group_size": 2, "eval_size": 0, "concurrency": 4, "rollout_timeout_s": 240,
+           "lr": 1e-3, "max_prompt_tokens": 128, "max_response_tokens": 32, "prefix": prefix, "redis_url": redis_url,
+           "backend": "verl", "verl_device": "cuda", "model_name": "policy", "out_dir": str(work / "runs")}
+    (work / "config.yaml").write_text(json.dumps(cfg))
+    src = [str(ROOT / "packages" / p / "src") for p in ("common", "gateway", "controller", "trainer")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(src + [os.environ.get("PYTHONPATH", "")]),
+           "AGL_MAIN_PYTHON": sys.executable, "AGL_BASE_MODEL_DIR": str(model_dir), "HF_HUB_OFFLINE": "1"}
+    run_dir = work / "run"
+    log = work / "verl_main.log"
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "agl_trainer.backends.verl_main", str(work / "config.yaml"),
+                               "--run-dir", str(run_dir), "--gpu"], stdout=f, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout_s, cwd=ROOT)
+    out: dict = {"stage": "loop", "returncode": proc.returncode, "log": str(log)}
+    try:
+        verl = json.loads((run_dir / "verl.json").read_text())
+        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError) as e:
+        print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+        return {**out, "ok": False, "error": f"no run outputs: {e}", "seconds": time.perf_counter() - t0}
+    steps = verl["steps"]
+    versions = _recorded_versions(redis_url, prefix, metrics)
+    checks = {
+        "chat_through_gateway_with_ids_and_logprobs": bool(steps) and all(s.get("logprob_max_abs_diff") is not None
+                                                                           for s in steps),
+        "sleep_frees_gpu_memory": bool(steps) and all(
+            s.get("gpu_free_gb_after_sleep", 0) > s.get("gpu_free_gb_before_sleep", 1e9) + 0.5 for s in steps),
+        "first_ratio_within_1e-2": bool(steps) and abs((steps[0].get("ratio_mean") or 0) - 1.0) < 1e-2,
+        "logprobs_change_after_update_weights": bool(steps) and (steps[0].get("engine_logprob_change") or 0) > 1e-3,
+        "calls_after_resume_have_version_1": versions[1:2] == [{1}] if len(versions) > 1 else False,
+    }
+    return {**out, "ok": proc.returncode == 0 and all(checks.values()), "checks": checks, "steps": steps,
+            "recorded_versions": [sorted(v) for v in versions], "init_s": verl.get("init_s"),
+            "step_s": [m.get("step_s") for m in metrics if "step" in m], "seconds": time.perf_counter() - t0}
+
+
+def _recorded_versions(redis_url: str, prefix: str, metrics: list[dict]) -> list[set]:
+    import asyncio
+
+    from agl_common.store import Store
+
+    async def read():
+        store = Store(redis_url, prefix)
+        try:
+            out = []
+            for m in metrics:
+                if "step" not in m:
+                    continue
+                vs: set = set()
+                for gid in m.get("groups", []):
+                    for i in range(2):
+                        vs |= {c.model_version for c in await store.read_calls(f"{gid}-{i}")}
+                out.append(vs)
+            return out
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["actor", "ppo", "all", "build-tokenizer"])
+    ap.add_argument("stage", choices=["env", "maths", "actor", "loop", "ppo", "all", "build-tokenizer"])
     ap.add_argument("src", nargs="?", help="build-tokenizer: SmolLM2 directory with tokenizer.json")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", type=Path, help="loop: a model directory (default: a tiny random Llama)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_smoke")))
     args = ap.parse_args()
     if args.stage == "build-tokenizer":
         build_tokenizer(Path(args.src or Path.home() / ".cache/agl/smollm2-135m-instruct"), TOKENIZER_DIR)
         return 0
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run on a GPU machine, or `actor --device cpu` for a dry run", file=sys.stderr)
-        return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
+    t0 = time.perf_counter()
+    results: list[dict] = []
+    env = stage_env()
+    results.append(env)
+    if args.device == "cuda" and not env["cuda_available"]:
+        env["ok"] = False
+        env["error"] = "no CUDA device: run on a GPU machine, or `maths --device cpu` / `actor --device cpu`"
+    have = set(env["packages"])
+    wanted = {"all": ["maths", "actor", "loop"]}.get(args.stage, [args.stage] if args.stage != "env" else [])
+    needs = {"actor": {"verl"}, "loop": {"verl", "vllm", "ray", "redis", "agl_gateway", "litellm"},
+             "ppo": {"verl", "vllm", "ray"}, "maths": set()}
     try:
-        if args.stage in ("actor", "all"):
-            results.append(stage_actor(args.device))
-        if args.stage in ("ppo", "all"):
-            results.append(stage_ppo(args.out / "ppo"))
+        for stage in wanted:
+            if env.get("error"):
+                results.append({"stage": stage, "ok": None, "skipped": env["error"]})
+                continue
+            missing = sorted(needs[stage] - have)
+            if missing:
+                results.append({"stage": stage, "ok": None, "skipped": f"not installed: {', '.join(missing)}"})
+                continue
+            try:
+                if stage == "maths":
+                    results.append(stage_maths(args.device))
+                elif stage == "actor":
+                    results.append(stage_actor(args.device))
+                elif stage == "loop":
+                    results.append(stage_loop(args.out / "loop", args.model))
+                else:
+                    results.append(stage_ppo(args.out / "ppo"))
+            except Exception as e:  # noqa: BLE001 - record it, run the next stage
+                results.append({"stage": stage, "ok": False, "error": f"{type(e).__name__}: {e}"})
     finally:
-        (args.out / "gpu_smoke.json").write_text(json.dumps(results, indent=2, default=str))
-    ok = all(r.get("ok", True) for r in results)
-    print(json.dumps({"ok": ok, "stages": [r["stage"] for r in results]}))
-    return 0 if ok else 1
+        summary = {"ok": all(r.get("ok") is not False for r in results) and not env.get("error"),
+                   "seconds": time.perf_counter() - t0, "stages": results}
+        (args.out / "gpu_smoke.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(json.dumps({"ok": summary["ok"], "stages": {r["stage"]: r.get("ok", r.get("skipped")) for r in results}}))
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

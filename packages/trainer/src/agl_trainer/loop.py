@@ -1,4 +1,6 @@
-"""The synchronous GRPO loop: create groups of rollouts, wait, build rows, update, repeat.
+"""The run loop, one for every backend: it talks to the engine only through a
+:class:`agl_trainer.backends.base.Backend` (sync = collocated async with one group in flight, see
+:class:`agl_trainer.scheduler.GroupScheduler`).
 
 One step::
 
@@ -6,25 +8,37 @@ One step::
       ─► wait until every rollout of the step is succeeded/failed
       ─► group policy (failed rollouts leave their group; groups under ``min_group_size`` are dropped)
       ─► rows from recorded token ids ─► per-rollout advantage (GRPO or RLOO baseline) broadcast to rows
-      ─► collocated cycle (pause → drained → PPO step → adapter hot-load → resume on policy-v{N})
+      ─► collocated cycle (pause → drained → backend.update → backend.publish → resume on version N)
+
+:func:`train_async` is the loop; the functions before it are its steps. Starting the services and choosing
+the backend is :mod:`agl_trainer.run`'s job; the step table, the curve and the time split
+:mod:`agl_trainer.report`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import shutil
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from agl_common.schemas import Rollout, RolloutStatus, TERMINAL
+from agl_common.control import resume as resume_gateway
+from agl_common.schemas import Policy, Rollout, RolloutStatus, TERMINAL
 from agl_common.store import Store
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .advantage import rollout_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
+from .report import plot_curve, step_table, time_split_totals
+from .scheduler import Group, GroupScheduler, create_rollouts  # noqa: F401 (create_rollouts: re-exported)
+from .stepstats import TIME_KEYS, batch_signals, rollout_phase_split
 
 
 def _task_module(task_file: str | Path):
@@ -54,18 +68,6 @@ def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Cal
     """The task's own notion of a solved input, ``fn(task, reward) -> bool`` from ``task_file`` (its
     ``is_correct`` by default), or :func:`default_is_correct` if the file has none."""
     return getattr(_task_module(task_file), fn or "is_correct", default_is_correct)
-
-
-async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int) -> list[str]:
-    """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids."""
-    ids = []
-    for k, inp in enumerate(inputs):
-        for i in range(n):
-            rid = f"{tag}-g{k}-{i}"
-            await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=f"{tag}-g{k}",
-                                               policy_version=version))
-            ids.append(rid)
-    return ids
 
 
 async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
@@ -158,3 +160,209 @@ async def evaluate(store: Store, problems: list[dict], tag: str, version: int, t
 
 def new_run_id() -> str:
     return time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+
+
+def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler,
+                    metrics: dict) -> None:
+    """Write ``{run_dir}/checkpoint``: LoRA weights, optimizer state, step, version, groups in flight and
+    the step's metrics line (whose ``groups`` are the groups it trained).
+
+    Written to a temporary directory and renamed, so a trainer killed mid-write keeps the previous one.
+    The rename is the step's commit point: a restarted trainer re-marks ``metrics["groups"]`` as trained
+    (if the kill came before :meth:`GroupScheduler.commit`) and re-appends ``metrics`` if its line is missing.
+    """
+    tmp = run_dir / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    backend.checkpoint(tmp)
+    state = {"step": step, "version": version, "metrics": metrics,
+             "active": [{"group_id": g.group_id, "rollout_ids": g.rollout_ids, "version": g.version}
+                        for g in scheduler.active.values()]}
+    (tmp / "state.json").write_text(json.dumps(state))
+    old = run_dir / "checkpoint"
+    if old.exists():
+        shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
+        old.rename(run_dir / "checkpoint.old")
+    tmp.rename(old)
+    shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
+
+
+def load_checkpoint(run_dir: Path) -> dict | None:
+    path = run_dir / "checkpoint" / "state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_url: str, state: dict | None,
+                      backend) -> dict:
+    """The loop proper, against running services. Returns the summary (also written to ``summary.json``).
+
+    ``state``: the checkpoint to resume from (:func:`load_checkpoint`); the backend should already serve its
+    version (the caller does it before any agent runs; the loop restores and serves it again).
+    ``backend``: the :class:`agl_trainer.backends.base.Backend` that trains and serves the policy.
+    """
+    from transformers import AutoTokenizer
+
+    from .aggregate import end_of_turn_ids
+    from .cycle import backend_cycle
+    from .model import ensure_base_model
+
+    train = load_tasks(cfg.task_file, cfg.train_fn)
+    heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
+    subset = heldout[: cfg.eval_subset]
+    is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
+    store = Store(redis_url, cfg.prefix)
+    run_id = run_dir.name
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics, evals = [], []
+    train_s = 0.0  # seconds of training steps so far (evaluations excluded)
+    try:
+        if state is None:
+            await store.set_policy(Policy(model=cfg.model_name, version=0))
+            await resume_gateway(store, model=cfg.model_name, version=0)
+        base_dir = ensure_base_model()
+        # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
+        eos_ids = end_of_turn_ids(tokenizer, base_dir)
+        # On a terminal: live progress bars. Otherwise (a pipe, a log): one line per event, nothing buffered.
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
+
+            async def run_eval(when: str, version: int, step: int, problems: list[dict]) -> dict | None:
+                if not problems:  # eval_size: 0
+                    return None
+                t = time.perf_counter()
+                task = progress.add_task(f"held-out eval ({when}, n={len(problems)})", total=len(problems))
+                res = await evaluate(store, problems, f"{run_id}-eval-{when}-{uuid.uuid4().hex[:6]}", version,
+                                     cfg.rollout_timeout_s * 4, lambda d, _t: progress.update(task, completed=d),
+                                     is_correct)
+                progress.remove_task(task)
+                head = res["correct"][: len(subset)]
+                res.update(when=when, step=step, policy_version=version, minutes=train_s / 60,
+                           subset_accuracy=sum(head) / len(head), subset_n=len(head),
+                           eval_s=time.perf_counter() - t)
+                evals.append(res)
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps({"eval": when, **res}) + "\n")
+                console.print(f"held-out accuracy {when} (step {step}, {train_s / 60:.1f} min of training): "
+                              f"{res['accuracy']:.3f} ({sum(res['correct'])}/{res['n']}, failed {res['failed']}; "
+                              f"{res['eval_s']:.0f} s)")
+                return res
+
+            version, first_step = 0, 1
+            scheduler = GroupScheduler(store, train, cfg.group_size, cfg.groups_per_step, cfg.active_groups,
+                                       cfg.max_staleness, tag=run_id, seed=cfg.seed)
+            if state is not None:  # a restarted trainer: same policy, same groups in flight, next step
+                version, first_step = state["version"], state["step"] + 1
+                await asyncio.to_thread(backend.restore, run_dir / "checkpoint")
+                await store.commit_trained(scheduler.consumer_group, state["metrics"]["groups"], [])
+                logged = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+                if not any(m.get("step") == state["step"] and "eval" not in m for m in logged):
+                    with metrics_path.open("a") as f:  # killed between the checkpoint and this line
+                        f.write(json.dumps(state["metrics"]) + "\n")
+                    logged.append(state["metrics"])
+                # the table, curve and summary cover the whole run, not only the resumed part
+                metrics += [m for m in logged if "eval" not in m and "step" in m and m["step"] <= state["step"]]
+                evals += [e for e in logged if e.get("eval") and e.get("step", 0) <= state["step"]]
+                train_s = sum(m.get("step_s", 0.0) for m in metrics)
+                for g in state["active"]:
+                    await scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
+                taken = await scheduler.start()
+                # the engine serves the restored policy (a CPU run's adapter is loaded again, in place)
+                await resume_gateway(store, model=await backend.serve(version), version=version)
+                console.print(f"resumed {run_dir.name} after step {state['step']} (policy v{version}, "
+                              f"groups in flight: {len(scheduler.active)}, completions taken over: {taken})")
+            else:
+                await run_eval("before", 0, 0, heldout)
+            steps_task = progress.add_task("training steps", total=cfg.steps, completed=first_step - 1)
+            last = first_step - 1
+            for step in range(first_step, cfg.steps + 1):
+                t0, t0_wall = time.perf_counter(), time.time()
+                rtask = progress.add_task(f"  step {step} groups", total=cfg.groups_per_step)
+                batch = await scheduler.next_batch(version, cfg.rollout_timeout_s * 4,
+                                                   lambda d, t: progress.update(rtask, completed=d))
+                ready_wall = time.time()
+                rollouts = [r for g in batch.groups for r in g.rollouts]
+                calls = {r.rollout_id: await store.read_calls(r.rollout_id, r.attempt_id) for r in rollouts}
+                kept, counts = select_groups(rollouts, cfg.min_group_size)
+                rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg, tokenizer.decode, eos_ids,
+                                                                     calls)
+                succeeded = [r for r in rollouts if r.reward is not None]
+                m = {"step": step, "policy_version": version,
+                     "reward_mean": sum(r.reward for r in succeeded) / max(1, len(succeeded)),
+                     "accuracy": sum(1 for r in succeeded if is_correct(r.input, r.reward)) / max(1, len(rollouts)),
+                     "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
+                     "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
+                     "dropped_groups": counts["dropped_groups"], "rollout_s": batch.wait_s,
+                     "carried_over": batch.carried_over, "group_ages": batch.ages,
+                     "staleness_drops": batch.stale_dropped, "groups": [g.group_id for g in batch.groups],
+                     **batch_signals(rollouts, calls), **rollout_phase_split(rollouts, calls, t0_wall, ready_wall),
+                     **adv_stats, **astats.metrics()}
+                if rows and any(abs(a) > 0 for a in row_adv):
+                    cycle = await backend_cycle(store, backend, version + 1, rows, row_adv, cfg.drain_timeout_s)
+                    version += 1
+                    m.update(cycle)
+                    m["policy_version"] = version
+                    m["time_update_s"] = cycle["update_s"]
+                    m["time_pause_drain_s"] = cycle["drain_s"]
+                    m["time_weight_load_s"] = cycle["weight_load_s"]
+                else:
+                    m["skipped_update"] = "no advantage signal" if rows else "no rows"
+                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler, m)
+                m["step_s"] = time.perf_counter() - t0
+                # what the rollout phase and the cycle did not explain: bookkeeping, rows, the checkpoint
+                m["time_idle_s"] = m["time_idle_s"] + max(0.0, m["step_s"] - sum(m.get(k) or 0.0 for k in TIME_KEYS))
+                train_s += m["step_s"]
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+                await scheduler.commit(batch.groups)
+                metrics.append(m)
+                last = step
+                progress.update(steps_task, advance=1)
+                progress.remove_task(rtask)
+                upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
+                       f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
+                console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
+                              f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
+                              f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
+                              f"(generation {m['time_generation_s']:.0f} s, harness start-up "
+                              f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
+                              f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
+                out_of_time = cfg.max_train_minutes is not None and train_s / 60 >= cfg.max_train_minutes
+                if out_of_time:
+                    console.print(f"stopping after step {step}: {train_s / 60:.1f} min of training "
+                                  f"(max_train_minutes {cfg.max_train_minutes:g})")
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not out_of_time:
+                    await run_eval("during", version, step, subset)
+                if out_of_time:
+                    break
+            await run_eval("after", version, last, heldout)
+    finally:
+        await store.close()
+    console.print(step_table(metrics))
+    curve = run_dir / "accuracy_curve.png"
+    if metrics:
+        plot_curve(metrics, evals, curve)
+    before = next((e for e in evals if e["when"] == "before"), None)
+    after = next((e for e in reversed(evals) if e["when"] == "after"), None)
+    first_update = next((m for m in metrics if "ratio_first" in m), {})
+    summary = {"run_dir": str(run_dir), "model": cfg.model_name, "task_variant": cfg.task_variant, "seed": cfg.seed,
+               "steps": len(metrics), "policy_version": metrics[-1]["policy_version"] if metrics else 0,
+               "heldout_before": before["accuracy"] if before else None,
+               "heldout_after": after["accuracy"] if after else None,
+               "heldout_n": len(heldout), "train_minutes": train_s / 60,
+               "eval_minutes": sum(e.get("eval_s", 0.0) for e in evals) / 60,
+               "first_update": {k: first_update.get(k) for k in ("ratio_first", "clip_frac_first", "kl")},
+               "curve": [{"minutes": e["minutes"], "step": e["step"], "when": e["when"], "accuracy": e["accuracy"],
+                          "n": e["n"], "subset_accuracy": e["subset_accuracy"]} for e in evals],
+               "curve_png": str(curve) if metrics else None, **time_split_totals(metrics)}
+    # the old names, kept for readers of earlier summaries
+    summary["accuracy_before"], summary["accuracy_after"] = summary["heldout_before"], summary["heldout_after"]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    t = summary
+    console.print(f"held-out accuracy: before {fmt(t['heldout_before'])} → after {fmt(t['heldout_after'])} "
+                  f"(n={len(heldout)}) after {t['train_minutes']:.1f} min of training ({t['steps']} steps; "
+                  f"evaluations {t['eval_minutes']:.1f} min more)")
+    console.print("where the training time went: " + ", ".join(
+        f"{k.removeprefix('frac_')} {t[k]:.0%}" for k in t if k.startswith("frac_")))
+    console.print(f"outputs in {run_dir}: summary.json, metrics.jsonl, {curve.name}, adapters/, logs/")
+    return summary

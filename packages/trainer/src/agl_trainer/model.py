@@ -35,8 +35,11 @@ def ensure_base_model(cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Return a directory holding the bf16 safetensors base model, converting it on first use (~20 s).
 
     The directory is written atomically (to a temporary name, then renamed), so an interrupted
-    conversion never leaves a half model behind.
+    conversion never leaves a half model behind. ``$AGL_BASE_MODEL_DIR``, when set, is returned instead
+    (another Hugging Face model directory, e.g. for ``scripts/gpu_smoke.py``).
     """
+    if os.environ.get("AGL_BASE_MODEL_DIR"):
+        return Path(os.environ["AGL_BASE_MODEL_DIR"])
     target = Path(cache_dir) / "smollm2-135m-instruct"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target

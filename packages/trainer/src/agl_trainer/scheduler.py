@@ -28,7 +28,17 @@ from dataclasses import dataclass, field
 from agl_common.schemas import Rollout, TERMINAL
 from agl_common.store import Store
 
-from .loop import create_rollouts
+
+async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int) -> list[str]:
+    """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids."""
+    ids = []
+    for k, inp in enumerate(inputs):
+        for i in range(n):
+            rid = f"{tag}-g{k}-{i}"
+            await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=f"{tag}-g{k}",
+                                               policy_version=version))
+            ids.append(rid)
+    return ids
 
 
 @dataclass

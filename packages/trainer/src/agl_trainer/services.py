@@ -50,9 +50,14 @@ class ServiceError(RuntimeError):
 
 
 class Services:
-    """Subprocesses started for one run."""
+    """Subprocesses started for one run.
 
-    def __init__(self, log_dir: Path):
+    ``python``: the interpreter of the main environment, which runs the gateway and the controller
+    (default ``$AGL_MAIN_PYTHON``, else this one; the verl backend runs in ``.venv-verl`` and sets it).
+    """
+
+    def __init__(self, log_dir: Path, python: str | None = None):
+        self.python = python or os.environ.get("AGL_MAIN_PYTHON") or sys.executable
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -151,7 +156,7 @@ class Services:
     def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
                       extra: list[str] | None = None) -> str:
         port = port or free_port()
-        argv = [sys.executable, "-m", "agl_gateway", "serve", "--upstream", upstream, "--redis", redis_url,
+        argv = [self.python, "-m", "agl_gateway", "serve", "--upstream", upstream, "--redis", redis_url,
                 "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
         self.start("gateway", argv)
         url = f"http://127.0.0.1:{port}"
@@ -161,7 +166,7 @@ class Services:
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
                          concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
                          preload: list[str] | None = None) -> None:
-        argv = [sys.executable, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
+        argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
                 "--gateway", gateway_url, "--redis", redis_url, "--prefix", prefix, "--model", model,
                 "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:

@@ -19,7 +19,7 @@ from ..minibatch import plan_mini_batches
 
 
 class CpuBackend:
-    """LoRA policy on CPU.
+    """LoRA policy on CPU (:class:`agl_trainer.backends.base.Backend`).
 
     Args:
         base_dir: the base model (safetensors + tokenizer) the engine serves.
@@ -34,12 +34,18 @@ class CpuBackend:
         ppo_mini_batch_rollouts: rollouts per optimizer step (None: one step over the whole batch).
         max_updates_per_step: at most this many optimizer steps per update; the rest is dropped, counted.
         seed: LoRA initialization and the mini-batch order.
+        engine_url: the vLLM engine(s) that hot-load each published adapter (comma-separated; needed by
+            :meth:`publish`, :meth:`serve`, :meth:`retire`).
+        model_name: the base model's served name (policy version 0).
     """
+
+    name = "cpu"
 
     def __init__(self, base_dir: Path, out_dir: Path, lora_rank: int = 8, lora_alpha: int = 16, lr: float = 1e-4,
                  micro_batch_tokens: int = 1024, clip_low: float = 0.2, clip_high: float = 0.2,
                  clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None,
-                 ppo_mini_batch_rollouts: int | None = None, max_updates_per_step: int | None = None):
+                 ppo_mini_batch_rollouts: int | None = None, max_updates_per_step: int | None = None,
+                 engine_url: str | None = None, model_name: str = "smollm2"):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -61,6 +67,8 @@ class CpuBackend:
         plan_mini_batches([], ppo_mini_batch_rollouts, max_updates_per_step)  # raises ValueError if below 1
         self.ppo_mini_batch_rollouts = ppo_mini_batch_rollouts
         self.max_updates_per_step = max_updates_per_step
+        self.engine_url = engine_url
+        self.model_name = model_name
 
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, order: list[int], rows: list[Row]) -> list[list[int]]:
@@ -241,3 +249,33 @@ class CpuBackend:
         path = self.out_dir / f"policy-v{version}"
         self.model.save_pretrained(path)
         return path
+
+    # ------------------------------------------------------------------ serving (vLLM LoRA hot-load)
+    async def publish(self, version: int) -> str:
+        """Save the adapter of ``version`` and hot-load it into every engine as ``policy-v{version}``."""
+        import asyncio
+
+        path = await asyncio.to_thread(self.save, version)
+        return await self._load(version, path)
+
+    async def serve(self, version: int) -> str:
+        """Load the saved ``policy-v{version}`` adapter (a resumed run); version 0 is the base model."""
+        if version == 0:
+            return self.model_name
+        return await self._load(version, self.out_dir / f"policy-v{version}")
+
+    async def _load(self, version: int, path: Path) -> str:
+        from ..cycle import load_adapter
+
+        if not self.engine_url:
+            raise ValueError("CpuBackend has no engine_url to load adapters into")
+        name = f"policy-v{version}"
+        await load_adapter(self.engine_url, name, path)
+        return name
+
+    async def retire(self, version: int) -> None:
+        """Unload ``policy-v{version}`` from the engines (the base model, version 0, stays)."""
+        from ..cycle import unload_adapter
+
+        if version >= 1 and self.engine_url:
+            await unload_adapter(self.engine_url, f"policy-v{version}")
