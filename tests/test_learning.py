@@ -96,7 +96,7 @@ def test_batch_signals():
 
 
 def test_time_split_totals():
-    from agl_trainer.run import time_split_totals
+    from agl_trainer.report import time_split_totals
 
     t = time_split_totals([{"step_s": 10.0, "time_generation_s": 6.0, "time_update_s": 3.0, "time_idle_s": 1.0},
                            {"step_s": 10.0, "time_generation_s": 4.0, "time_update_s": 5.0, "time_idle_s": 1.0}])
