@@ -39,6 +39,27 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+LoggerOpt = typer.Option(None, "--logger", help="experiment tracker (repeatable, or comma-separated): console, "
+                         "jsonl, tensorboard, wandb, mlflow; replaces the config's `loggers`")
+
+
+def _with_loggers(cfg, loggers: list[str] | None):
+    """``cfg`` with ``loggers`` (if given) after checking each tracker is known and installed (exit 2 if not)."""
+    from pydantic import ValidationError
+
+    from .trackers import TrackerMissing, check_trackers
+
+    try:
+        if loggers:
+            names = [n.strip() for item in loggers for n in item.split(",") if n.strip()]
+            cfg = type(cfg).model_validate({**cfg.model_dump(), "loggers": check_trackers(names)})
+        check_trackers(cfg.loggers)
+    except (ValueError, ValidationError, TrackerMissing) as exc:
+        err.print(f"error: {exc}", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    return cfg
+
+
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .run import run_training
 
@@ -58,7 +79,8 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
 @app.command()
 def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
           resume: Path = typer.Option(None, exists=True, file_okay=False,
-                                      help="continue this run directory from its last checkpoint")):
+                                      help="continue this run directory from its last checkpoint"),
+          logger: list[str] = LoggerOpt):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -69,7 +91,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
-    _run(cfg, resume)
+    _run(_with_loggers(cfg, logger), resume)
 
 
 @app.command()
@@ -78,13 +100,14 @@ def demo(
     out_dir: Path = typer.Option(None, help="where runs are written"),
     engine_url: str = typer.Option(None, help="use this running vLLM instead of starting one"),
     seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the mini-batches"),
+    logger: list[str] = LoggerOpt,
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
     overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
                                    "seed": seed}.items() if v is not None}
-    _run(TrainConfig(**overrides))
+    _run(_with_loggers(TrainConfig(**overrides), logger))
 
 
 # ---------------------------------------------------------------------------------------------- rollouts

@@ -26,6 +26,7 @@ from .config import TrainConfig
 from .loop import build_batch, evaluate, load_is_correct, load_tasks, new_run_id, select_groups
 from .scheduler import Group, GroupScheduler
 from .stepstats import TIME_KEYS, batch_signals, rollout_phase_split
+from .trackers import Trackers
 
 #: (metrics key, column title, format) of the step table
 COLUMNS = [("step", "step", "{}"), ("reward_mean", "reward", "{:.2f}"), ("group_signal_frac", "signal", "{:.0%}"),
@@ -148,7 +149,11 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
     metrics_path = run_dir / "metrics.jsonl"
     metrics, evals = [], []
     train_s = 0.0  # seconds of training steps so far (evaluations excluded)
+    # metrics.jsonl and each chosen experiment tracker; the run prints its own console lines (below)
+    trackers = Trackers([n for n in cfg.loggers if n != "console"], run_dir, console)
+    show = "console" in cfg.loggers
     try:
+        trackers.log_config(cfg.model_dump(mode="json"))
         if state is None:
             await store.set_policy(Policy(model=cfg.model_name, version=0))
             await resume_gateway(store, model=cfg.model_name, version=0)
@@ -179,11 +184,11 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                            subset_accuracy=sum(head) / len(head), subset_n=len(head),
                            eval_s=time.perf_counter() - t)
                 evals.append(res)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps({"eval": when, **res}) + "\n")
-                console.print(f"held-out accuracy {when} (step {step}, {train_s / 60:.1f} min of training): "
-                              f"{res['accuracy']:.3f} ({sum(res['correct'])}/{res['n']}, failed {res['failed']}; "
-                              f"{res['eval_s']:.0f} s)")
+                trackers.log_eval(when, res, step)
+                if show:
+                    console.print(f"held-out accuracy {when} (step {step}, {train_s / 60:.1f} min of training): "
+                                  f"{res['accuracy']:.3f} ({sum(res['correct'])}/{res['n']}, failed {res['failed']}; "
+                                  f"{res['eval_s']:.0f} s)")
                 return res
 
             version, first_step = 0, 1
@@ -251,21 +256,21 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                 # what the rollout phase and the cycle did not explain: bookkeeping, rows, the checkpoint
                 m["time_idle_s"] = m["time_idle_s"] + max(0.0, m["step_s"] - sum(m.get(k) or 0.0 for k in TIME_KEYS))
                 train_s += m["step_s"]
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(m) + "\n")
+                trackers.log_metrics(m, step)  # metrics.jsonl and each chosen tracker
                 await scheduler.commit(batch.groups)
                 metrics.append(m)
                 last = step
                 progress.update(steps_task, advance=1)
                 progress.remove_task(rtask)
-                upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
-                       f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
-                console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
-                              f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
-                              f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
-                              f"(generation {m['time_generation_s']:.0f} s, harness start-up "
-                              f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
-                              f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
+                if show:  # the console tracker's line
+                    upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
+                           f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
+                    console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
+                                  f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
+                                  f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
+                                  f"(generation {m['time_generation_s']:.0f} s, harness start-up "
+                                  f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
+                                  f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
                 out_of_time = cfg.max_train_minutes is not None and train_s / 60 >= cfg.max_train_minutes
                 if out_of_time:
                     console.print(f"stopping after step {step}: {train_s / 60:.1f} min of training "
@@ -276,6 +281,7 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
                     break
             await run_eval("after", version, last, heldout)
     finally:
+        trackers.close()
         await store.close()
     console.print(step_table(metrics))
     curve = run_dir / "accuracy_curve.png"
