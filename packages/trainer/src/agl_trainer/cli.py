@@ -160,8 +160,7 @@ def rollouts_list(limit: int = typer.Option(100), as_json: bool = typer.Option(F
     async def main():
         store = _store(redis, prefix)
         try:
-            ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
-            ids = [i for i in ids if run is None or i.startswith(run)][-limit:]
+            ids = (await store.rollout_ids(run))[-limit:]
             return await store.get_rollouts(ids)
         finally:
             await store.close()
@@ -211,30 +210,56 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
 @rollouts_app.command("export")
 def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout"),
                     run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
+                    status: str = typer.Option(None, "--status", help="only rollouts in this state: queuing, running, "
+                                               "succeeded, failed"),
+                    min_reward: float = typer.Option(None, "--min-reward", help="only rollouts with reward >= this"),
+                    shape: str = typer.Option("calls", "--shape", help="calls (the records), rows (token ids, "
+                                              "response mask, logprobs, advantage: what trains) or messages (SFT "
+                                              "chat conversations + tools)"),
+                    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (parquet needs --out)"),
+                    out: Path = typer.Option(None, "--out", dir_okay=False, help="write here instead of standard output"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
-    """Every recorded call as JSON Lines on standard output."""
+    """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
+    from agl_common.schemas import RolloutStatus
     from agl_common.store import RolloutNotFound
+
+    from .export import ExportError, ExportFilter, ExportStats, collect, write
+
+    try:
+        state = RolloutStatus(status) if status is not None else None
+    except ValueError:
+        err.print(f"[red]invalid --status {status!r}[/red]: choose {', '.join(s.value for s in RolloutStatus)}")
+        raise typer.Exit(2) from None
+    if shape not in ("calls", "rows", "messages") or fmt not in ("jsonl", "parquet"):
+        err.print(f"[red]invalid --shape {shape!r} or --format {fmt!r}[/red]: shapes calls, rows, messages; "
+                  "formats jsonl, parquet")
+        raise typer.Exit(2) from None
+    if fmt == "parquet" and out is None:
+        err.print("[red]--format parquet writes a file[/red]: give --out FILE.parquet")
+        raise typer.Exit(2) from None
+    stats = ExportStats()
 
     async def main():
         store = _store(redis, prefix)
         try:
-            if rollout is not None:
-                await store.get_rollout(rollout)
-                ids = [rollout]
-            else:
-                ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
-                ids = [i for i in ids if run is None or i.startswith(run)]
-            for rid in ids:
-                for c in await store.read_calls(rid):
-                    sys.stdout.write(c.model_dump_json() + "\n")
+            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, stats=stats)
         finally:
             await store.close()
 
     try:
-        asyncio.run(main())
+        records = asyncio.run(main())
+        write(records, shape, fmt, out, sys.stdout.buffer)
+        sys.stdout.flush()
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {rollout!r}[/red]")
         raise typer.Exit(1) from None
+    except ExportError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    if out is not None or stats.skipped_calls:
+        skipped = ", ".join(f"{n} {k}" for k, n in stats.skipped_calls.items())
+        err.print(f"{stats.records} {shape} record(s) from {stats.rollouts} rollout(s)"
+                  + (f" written to {out}" if out else "") + (f"; calls left out: {skipped}" if skipped else ""))
 
 
 # ---------------------------------------------------------------------------------------------- gateway
