@@ -110,6 +110,50 @@ def demo(
     _run(_with_loggers(TrainConfig(**overrides), logger))
 
 
+@app.command("eval")
+def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
+          policy: str = typer.Option("base", "--policy", help="base, vN (adapters/policy-vN of --run, default the "
+                                     "newest run in out_dir that has it) or PATH (a PEFT adapter directory)"),
+          n: int = typer.Option(1, "--n", help="rollouts per held-out input (pass@k up to k = n)"),
+          run: Path = typer.Option(None, "--run", exists=True, file_okay=False, help="run directory for --policy vN"),
+          as_json: bool = typer.Option(False, "--json", help="print the result as JSON only"),
+          logger: list[str] = LoggerOpt):
+    """Run the harness on the held-out inputs without training: accuracy, pass@k, reward distribution."""
+    from pydantic import ValidationError
+
+    from .config import TrainConfig
+    from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
+
+    try:
+        cfg = TrainConfig.from_yaml(config)
+    except (ValidationError, ValueError) as exc:
+        err.print(f"[red]invalid config {config}[/red]: {exc}")
+        raise typer.Exit(2) from None
+    cfg = _with_loggers(cfg, logger)
+    if n < 1:
+        err.print(f"[red]--n must be at least 1[/red], got {n}")
+        raise typer.Exit(2)
+    try:
+        pol = resolve_policy(policy, cfg, run)
+    except PolicyNotFound as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    _sigterm_as_interrupt()
+    try:
+        res = run_eval(cfg, pol, n, err if as_json else console)
+    except KeyboardInterrupt:
+        err.print("interrupted: every service this evaluation started has been stopped")
+        raise typer.Exit(130) from None
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        sys.stdout.write(json.dumps(res) + "\n")
+        return
+    console.print(result_table(res, pol))
+    console.print(f"JSON: {res['eval_dir']}/eval.json")
+
+
 # ---------------------------------------------------------------------------------------------- rollouts
 @rollouts_app.command("create")
 def rollouts_create(

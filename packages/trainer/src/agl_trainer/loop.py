@@ -25,6 +25,7 @@ from agl_common.store import Store
 from .advantage import rollout_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
+from .evalstats import eval_stats
 
 
 def _task_module(task_file: str | Path):
@@ -140,20 +141,17 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
                    on_progress: Callable[[int, int], None] | None = None,
-                   is_correct: Callable[[dict, float | None], bool] = default_is_correct) -> dict:
-    """One rollout per held-out problem under the current policy; a failed rollout counts as wrong.
+                   is_correct: Callable[[dict, float | None], bool] = default_is_correct, n: int = 1) -> dict:
+    """``n`` rollouts per held-out problem (one group each) under the current policy; a failed rollout counts
+    as wrong.
 
-    Returns ``accuracy`` (solved / n, solved as the task's ``is_correct`` says), ``n``, ``failed``,
-    ``reward_mean`` and ``correct`` (one 0/1 per problem, in the order of ``problems``).
+    Returns :func:`agl_trainer.evalstats.eval_stats`: ``accuracy`` (solved / rollouts, solved as the task's
+    ``is_correct`` says), ``n`` (rollouts), ``failed``, ``reward_mean``, ``correct`` (one 0/1 per rollout, in
+    the order of ``problems``, their ``n`` samples together), ``pass_at_k``, the reward distribution and the
+    per-rollout ``rewards``.
     """
-    ids = await create_rollouts(store, problems, 1, tag, version)
-    rollouts = await wait_terminal(store, ids, timeout_s, on_progress)
-    correct = [int(r.status == RolloutStatus.succeeded and is_correct(p, r.reward))
-               for p, r in zip(problems, rollouts)]
-    failed = sum(1 for r in rollouts if r.status == RolloutStatus.failed)
-    rewards = [r.reward or 0.0 for r in rollouts]
-    return {"accuracy": sum(correct) / len(rollouts), "failed": failed, "n": len(rollouts),
-            "reward_mean": sum(rewards) / len(rollouts), "correct": correct}
+    ids = await create_rollouts(store, problems, n, tag, version)
+    return eval_stats(await wait_terminal(store, ids, timeout_s, on_progress), is_correct)
 
 
 def new_run_id() -> str:

@@ -141,7 +141,7 @@ class ConsoleTracker:
         self.console.print(f"step {step}: " + ", ".join(parts))
 
     def log_eval(self, when: str, result: dict[str, Any], step: int) -> None:
-        shown = {k: v for k, v in flatten(result).items() if not k.startswith("reward_hist")}
+        shown = {k: v for k, v in flatten(result).items() if not k.startswith("reward/hist")}
         self.console.print(f"eval {when} (step {step}): "
                            + ", ".join(f"{k} {v:.3f}" if not float(v).is_integer() else f"{k} {int(v)}"
                                        for k, v in shown.items()))
