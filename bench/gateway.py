@@ -19,6 +19,7 @@ At the end every gateway call is checked to be in its rollout's Redis stream, th
     .venv/bin/python bench/gateway.py                      # ~1 minute
     .venv/bin/python bench/gateway.py --profile py-spy      # + where the gateway's CPU goes (chat@64)
     .venv/bin/python bench/gateway.py --profile cprofile --profile-phase chat@64,messages@64
+    .venv/bin/python bench/gateway.py --otel                # gateway with --otel, spans to bench/otlp_sink.py
 
 ``--profile`` adds, after the measured phases (which it does not perturb), one more run of each
 ``--profile-phase`` (default ``chat@64``) with the gateway profiled, and prints the CPU-ms per call by

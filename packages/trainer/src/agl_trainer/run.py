@@ -144,14 +144,14 @@ async def train_async(cfg: TrainConfig, engine_url: str, run_dir: Path, console:
     heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
     subset = heldout[: cfg.eval_subset]
     is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
+    # metrics.jsonl and each chosen experiment tracker; the run prints its own console lines (below)
+    trackers = Trackers([n for n in cfg.loggers if n != "console"], run_dir, console)
+    show = "console" in cfg.loggers
     store = Store(redis_url, cfg.prefix)
     run_id = run_dir.name
     metrics_path = run_dir / "metrics.jsonl"
     metrics, evals = [], []
     train_s = 0.0  # seconds of training steps so far (evaluations excluded)
-    # metrics.jsonl and each chosen experiment tracker; the run prints its own console lines (below)
-    trackers = Trackers([n for n in cfg.loggers if n != "console"], run_dir, console)
-    show = "console" in cfg.loggers
     try:
         trackers.log_config(cfg.model_dump(mode="json"))
         if state is None:
