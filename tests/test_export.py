@@ -149,3 +149,14 @@ def test_bad_export_options_are_clear(recorded, tmp_path):
     assert res.exit_code == 1 and "no record matched" in res.output and not (tmp_path / "x.parquet").exists()
     res = export(recorded, "--rollout", "nope")
     assert res.exit_code == 1 and "unknown rollout 'nope'" in res.output
+
+
+def test_parquet_without_datasets_says_what_to_install(monkeypatch, tmp_path):
+    import sys
+
+    from agl_trainer.export import ExportError, write
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ExportError, match="pip install datasets"):
+        write([{"a": 1}], "calls", "parquet", tmp_path / "x.parquet")
+    assert not (tmp_path / "x.parquet").exists()

@@ -138,3 +138,15 @@ async def test_off_by_default_and_when_disabled(store, redis_url, prefix, upstre
     await run_calls(store, redis_url, prefix, upstream, otel=enabled)
     time.sleep(0.3)
     assert len(await store.read_calls("r1")) == 4 and otlp.app.state.spans == []
+
+
+def test_missing_sdk_says_what_to_install(monkeypatch):
+    import sys
+
+    from agl_gateway.otel import tracer_from_env
+
+    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(RuntimeError, match=r"--otel needs the OpenTelemetry SDK .*pip install 'agl-gateway\[otel\]'"):
+        tracer_from_env(True)
+    assert tracer_from_env(False) is None

@@ -190,13 +190,18 @@ def tracer_from_env(enabled: bool) -> CallTracer | None:
     """A :class:`CallTracer` if ``enabled`` and ``OTEL_SDK_DISABLED`` is not true; None otherwise.
 
     The exporter, the batch processor and the resource read their ``OTEL_*`` variables themselves.
+    Raises ``RuntimeError`` (saying what to install) if the SDK or the exporter is missing.
     """
     if not enabled or _true(os.environ.get("OTEL_SDK_DISABLED")):
         return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        raise RuntimeError(f"--otel needs the OpenTelemetry SDK and OTLP exporter ({exc.name} is missing): "
+                           "pip install 'agl-gateway[otel]'") from None
 
     named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
     resource = Resource.create({} if named else {"service.name": "agl-gateway"})

@@ -201,8 +201,10 @@ def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | 
         raise ExportError("--format parquet writes a file: give --out FILE.parquet")
     if not records:
         raise ExportError("no record matched the filters: no Parquet file written")
-    from datasets import Dataset
-
+    try:
+        from datasets import Dataset
+    except ImportError:
+        raise ExportError("--format parquet needs the datasets library: pip install datasets==5.2.0") from None
     cols = JSON_COLUMNS[shape]
     rows = [{k: (json.dumps(v) if k in cols and v is not None else v) for k, v in rec.items()} for rec in records]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
