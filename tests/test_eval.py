@@ -44,6 +44,17 @@ def test_eval_stats_by_hand():
     assert s["pass_at_k"]["2"] == pytest.approx((5 / 6 + 1 / 2) / 2) and s["pass_at_k"]["4"] == 1.0
     assert s["reward"]["hist"] == {"0": 3, "0.5": 1, "1": 3} and s["reward"]["max"] == 1.0
     assert s["rewards"] == [1.0, 1.0, 0.0, 0.0, 0.0, None, 1.0, 0.5]
+    import io
+
+    from rich.console import Console
+
+    from agl_trainer.evaluation import EvalPolicy, result_table
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(result_table(s, EvalPolicy("policy-v2", 2)))
+    text = out.getvalue()
+    assert "held-out evaluation of policy-v2 (v2)" in text and "pass@4" in text and "0.375" in text
+    assert "0: 3, 0.5: 1, 1: 3" in text
 
 
 def test_policy_resolution(tmp_path):
