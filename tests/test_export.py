@@ -88,7 +88,8 @@ def test_calls_shape_is_todays_records_with_filters(recorded):
                                                             (f"{RUN}-g0-1", 0), (f"{RUN}-g1-0", 0)]
     assert calls[1]["prompt_token_ids"] == [1, 2, 3, 10, 11, 2, 5, 6] and calls[1]["response_logprobs"] == [-0.5] * 2
     assert {c["rollout_id"] for c in jsonl(export(recorded, "--run", RUN, "--status", "failed"))} == {f"{RUN}-g1-0"}
-    assert {c["rollout_id"] for c in jsonl(export(recorded, "--min-reward", "0.5"))} == {f"{RUN}-g0-0", "other-run-g0-0"}
+    rich = {c["rollout_id"] for c in jsonl(export(recorded, "--min-reward", "0.5"))}
+    assert rich == {f"{RUN}-g0-0", "other-run-g0-0"}
     assert {c["rollout_id"] for c in jsonl(export(recorded, "--rollout", f"{RUN}-g0-1"))} == {f"{RUN}-g0-1"}
 
 
@@ -127,7 +128,8 @@ def test_parquet_loads_back_with_datasets(recorded, tmp_path, shape, expected):
     assert ds.num_rows == expected
     want = jsonl(export(recorded, "--run", RUN, "--shape", shape))
     if shape == "calls":
-        assert ds["seq"] == [w["seq"] for w in want] and ds["response_token_ids"] == [w["response_token_ids"] for w in want]
+        assert ds["seq"] == [w["seq"] for w in want]
+        assert ds["response_token_ids"] == [w["response_token_ids"] for w in want]
         assert json.loads(ds[0]["request"]) == want[0]["request"]  # free-form JSON travels as text
     elif shape == "rows":
         assert set(ds.column_names) >= {"prompt_ids", "response_ids", "response_mask", "logprobs", "advantage",

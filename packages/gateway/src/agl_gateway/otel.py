@@ -90,7 +90,8 @@ def input_messages(request: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"role": "system", "parts": _parts(system)})
     msgs = request.get("messages")
     if msgs is None and request.get("input") is not None:  # responses route
-        msgs = request["input"] if isinstance(request["input"], list) else [{"role": "user", "content": request["input"]}]
+        inp = request["input"]
+        msgs = inp if isinstance(inp, list) else [{"role": "user", "content": inp}]
     if msgs is None and request.get("prompt") is not None:  # completions route
         msgs = [{"role": "user", "content": request["prompt"]}]
     return out + [_message(m) for m in msgs or [] if isinstance(m, dict)]

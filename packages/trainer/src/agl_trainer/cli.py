@@ -261,7 +261,8 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
                                               "response mask, logprobs, advantage: what trains) or messages (SFT "
                                               "chat conversations + tools)"),
                     fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (parquet needs --out)"),
-                    out: Path = typer.Option(None, "--out", dir_okay=False, help="write here instead of standard output"),
+                    out: Path = typer.Option(None, "--out", dir_okay=False,
+                                             help="write here instead of standard output"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
     from agl_common.schemas import RolloutStatus
