@@ -4,7 +4,8 @@ Names as verl's ``trainer.logger``: ``console``, ``jsonl``, ``tensorboard``, ``w
 tracker is written through its own library; nothing here re-implements a file format:
 
 =============  ==========================================================================================
-``console``    one line per step (key metrics) and per evaluation, on the run's Rich console
+``console``    one line per step (key metrics) and per evaluation, on a Rich console (a training run prints
+               its own, richer lines instead, when ``console`` is among its loggers)
 ``jsonl``      ``{run_dir}/metrics.jsonl``: each step's metrics dict as it is, and ``{"eval": when, ...}``
                lines (CONTRACT §5). Always written, chosen or not: it is the run's own record (the
                summary, the curve and ``--resume`` read it back)
