@@ -19,6 +19,7 @@ At the end every gateway call is checked to be in its rollout's Redis stream, th
     .venv/bin/python bench/gateway.py                      # ~1 minute
     .venv/bin/python bench/gateway.py --profile py-spy      # + where the gateway's CPU goes (chat@64)
     .venv/bin/python bench/gateway.py --profile cprofile --profile-phase chat@64,messages@64
+    .venv/bin/python bench/gateway.py --otel                # gateway with --otel, spans to bench/otlp_sink.py
 
 ``--profile`` adds, after the measured phases (which it does not perturb), one more run of each
 ``--profile-phase`` (default ``chat@64``) with the gateway profiled, and prints the CPU-ms per call by
@@ -315,7 +316,8 @@ class Bench:
         self.rids = [f"r{k:04d}" for k in range(args.rollouts)]
         self.r = redis.Redis.from_url(args.redis)
         self.redis_port = self.r.connection_pool.connection_kwargs.get("port", 6379)
-        self.upstream = self.gateway = self.spy = None
+        self.upstream = self.gateway = self.spy = self.sink = None
+        self.spans = None
         self.loadgen = self.conn = None
         self.rows: list[dict] = []
         self.gw_ok_calls = 0
@@ -338,6 +340,14 @@ class Bench:
         gw_cmd += ["serve", "--upstream", self.up_url, "--port", str(self.gw_port),
                    "--open", "--prefix", self.prefix, "--redis", a.redis, "--log-level", "warning"]
         env = dict(os.environ, AGL_BENCH_PROFILE_CTL=self.prof_ctl)
+        if a.otel:  # one OpenTelemetry span per call, exported over OTLP/HTTP to a sink process of its own
+            sink_port = free_port()
+            self.sink = subprocess.Popen([sys.executable, str(HERE / "otlp_sink.py"), "--port", str(sink_port)],
+                                         stdout=subprocess.DEVNULL)
+            self.sink_url = f"http://127.0.0.1:{sink_port}"
+            wait_http(self.sink_url + "/count", self.sink, 30)
+            gw_cmd.append("--otel")
+            env.update(OTEL_EXPORTER_OTLP_ENDPOINT=self.sink_url, OTEL_SDK_DISABLED="false")
         self.gateway = subprocess.Popen(gw_cmd, cwd=ROOT, env=env)
         self.gw_url = f"http://127.0.0.1:{self.gw_port}"
         ctx = mp.get_context("spawn")
@@ -361,8 +371,13 @@ class Bench:
         stop(self.spy, signal.SIGINT)
         with contextlib.suppress(OSError):
             os.unlink(self.prof_ctl)
-        stop(self.gateway, signal.SIGINT)  # SIGINT: graceful, and cProfile writes its file
+        stop(self.gateway, signal.SIGINT)  # SIGINT: graceful, and cProfile writes its file (and spans flush)
         stop(self.upstream)
+        if self.sink is not None:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(self.sink_url + "/count", timeout=5) as resp:
+                    self.spans = orjson.loads(resp.read())
+            stop(self.sink)
         keys = list(self.r.scan_iter(match=self.prefix + "*", count=1000))
         for k in range(0, len(keys), 500):
             self.r.delete(*keys[k:k + 500])
@@ -520,6 +535,9 @@ class Bench:
         print(f"AGL gateway benchmark — {platform.python_implementation()} {platform.python_version()}, "
               f"{psutil.cpu_count()} CPUs, load avg {load[0]:.1f}/{load[1]:.1f} (other work shares this machine)")
         print(f"gateway source: {gateway_version()}")
+        print("tracing: " + ("off" if not a.otel else f"on (--otel): the OTLP sink received "
+                             f"{(self.spans or {}).get('spans', '?')} spans in {(self.spans or {}).get('requests', '?')}"
+                             f" export requests"))
         print(f"answer: {a.prompt_tokens} prompt + {a.completion_tokens} completion tokens with logprobs; "
               f"{len(self.rids)} rollout ids; {a.duration:g} s per phase")
         print(f"fake upstream capacity: {self.up_capacity:,.0f} calls/s with a raw 64-connection client "
@@ -701,6 +719,8 @@ def main() -> None:
     ap.add_argument("--profile-phase", default="chat@64", help="comma-separated route@clients to profile")
     ap.add_argument("--profile-out", default="/tmp/agl-gateway-profile", help="profile file prefix")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--otel", action="store_true", help="gateway with --otel: one OpenTelemetry span per call, "
+                    "exported over OTLP/HTTP to bench/otlp_sink.py")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     args.routes = [r for r in args.routes.split(",") if r]

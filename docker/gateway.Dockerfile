@@ -19,7 +19,7 @@ WORKDIR /opt/agl
 COPY requirements.txt /tmp/constraints.txt
 COPY packages/common packages/common
 COPY packages/gateway packages/gateway
-RUN pip install -c /tmp/constraints.txt ./packages/common ./packages/gateway \
+RUN pip install -c /tmp/constraints.txt ./packages/common "./packages/gateway[otel]" \
     && rm -rf /opt/agl/packages /tmp/constraints.txt
 
 # Listen on every interface inside the container; everything else keeps the code's defaults

@@ -220,8 +220,19 @@ def check(cmd: str, out: str, work: Path, ctx: dict) -> None:
         if ctx["rewarded"]:
             assert shown["reward"] is not None if shown else re.search(r"'reward': -?\d", out), out
     elif m := re.match(r"agl-trainer rollouts export\b", c):
-        records = [json.loads(x) for x in out.splitlines() if x.strip()]
-        assert records and all(r["response_token_ids"] for r in records), out
+        shape = (re.search(r"--shape (\S+)", c) or [None, "calls"])[1]
+        if (o := re.search(r"--out (\S+)", c)) and "--format parquet" in c:
+            from datasets import load_dataset
+
+            records = load_dataset("parquet", data_files=str(work / o[1]), split="train",
+                                   cache_dir=str(work / "hf-cache")).to_list()
+        else:
+            text = (work / o[1]).read_text() if o else out
+            records = [json.loads(x) for x in text.splitlines() if x.strip()]
+        field = {"calls": "response_token_ids", "rows": "response_mask", "messages": "messages"}[shape]
+        assert records and all(r[field] for r in records), out
+        if r := re.search(r"--min-reward (\S+)", c):
+            assert shape == "calls" or all(x["reward"] >= float(r[1]) for x in records)
         if r := re.search(r"--rollout (\S+)", c):
             assert {x["rollout_id"] for x in records} == {r[1]}
         if r := re.search(r"--run (\S+)", c):

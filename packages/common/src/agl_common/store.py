@@ -127,6 +127,11 @@ class Store:
             out.append(Rollout.model_validate_json(raw))
         return out
 
+    async def rollout_ids(self, prefix: str | None = None) -> list[str]:
+        """Every rollout id, oldest first (creation time); with ``prefix``, only ids starting with it."""
+        ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, -1)]
+        return ids if prefix is None else [i for i in ids if i.startswith(prefix)]
+
     async def list_rollouts(self, limit: int = 1000) -> list[Rollout]:
         ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, limit - 1)]
         return await self.get_rollouts(ids)

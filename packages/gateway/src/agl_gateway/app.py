@@ -19,6 +19,7 @@ from . import translate
 from .engines import Engines
 from .errors import install_handlers
 from .gate import PauseGate
+from .otel import tracer_from_env
 from .proxy import GatewayState
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
@@ -158,7 +159,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
-                          Engines(settings.upstreams_v1))
+                          Engines(settings.upstreams_v1), tracer_from_env(settings.otel))
         app.state.agl = st
         if settings.model is None:
             with contextlib.suppress(Exception):
@@ -178,6 +179,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 await store.r.delete(store.key("replica", settings.replica_id))
             await http.close()
             await store.close()
+            if st.tracer is not None:
+                await asyncio.to_thread(st.tracer.shutdown)
 
     app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_handlers(app)

@@ -29,13 +29,17 @@ def serve(
     max_hold: float = typer.Option(_D["max_hold"].default, envvar="AGL_MAX_HOLD",
                                    help="seconds a call may be held by a pause before 503"),
     max_body_bytes: int = typer.Option(_D["max_body_bytes"].default, envvar="AGL_MAX_BODY_BYTES"),
+    otel: bool = typer.Option(_D["otel"].default, "--otel", envvar="AGL_OTEL",
+                              help="emit an OpenTelemetry GenAI span per model call (OTLP/HTTP; configured by the "
+                              "standard OTEL_* variables)"),
     log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL"),
 ) -> None:
     """Serve the gateway (uvicorn, one process)."""
     from .app import create_app
 
     settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
-                               port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes)
+                               port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes,
+                               otel=otel)
     run_server(create_app(settings), host=host, port=port, log_level=log_level)
 
 

@@ -55,6 +55,7 @@ class GatewayState:
     policy: Policy
     metrics: Any
     engines: Engines
+    tracer: Any = None  # agl_gateway.otel.CallTracer when --otel, else None
 
 
 def state_of(request: Request) -> GatewayState:
@@ -198,11 +199,13 @@ async def record(st: GatewayState, rec: dict[str, Any]) -> None:
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
         payload = CallRecord.model_validate(rec).model_dump_json().encode()
     try:
-        await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload)
+        seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload)
     except RedisError as exc:
         log.warning("record of %s/%s not written: %r", rec["rollout_id"], rec["attempt_id"], exc)
         raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
     st.metrics.record_seconds.observe(time.perf_counter() - t0)
+    if st.tracer is not None:  # one OpenTelemetry span per recorded call (agl_gateway.otel)
+        st.tracer.emit(rec, seq)
 
 
 @dataclass

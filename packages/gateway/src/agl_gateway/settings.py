@@ -25,6 +25,7 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     heartbeat_s: float = 1.0
+    otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables
     redis_max_connections: int = 512  # per replica; a call waits (up to 10 s) for a free one beyond that
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 

@@ -39,6 +39,27 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+LoggerOpt = typer.Option(None, "--logger", help="experiment tracker (repeatable, or comma-separated): console, "
+                         "jsonl, tensorboard, wandb, mlflow; replaces the config's `loggers`")
+
+
+def _with_loggers(cfg, loggers: list[str] | None):
+    """``cfg`` with ``loggers`` (if given) after checking each tracker is known and installed (exit 2 if not)."""
+    from pydantic import ValidationError
+
+    from .trackers import TrackerMissing, check_trackers
+
+    try:
+        if loggers:
+            names = [n.strip() for item in loggers for n in item.split(",") if n.strip()]
+            cfg = type(cfg).model_validate({**cfg.model_dump(), "loggers": check_trackers(names)})
+        check_trackers(cfg.loggers)
+    except (ValueError, ValidationError, TrackerMissing) as exc:
+        err.print(f"error: {exc}", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    return cfg
+
+
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .run import run_training
 
@@ -59,7 +80,8 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
 def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
           resume: Path = typer.Option(None, exists=True, file_okay=False,
                                       help="continue this run directory from its last checkpoint"),
-          backend: str = typer.Option(None, help="cpu or verl (default: the config's `backend` field)")):
+          backend: str = typer.Option(None, help="cpu or verl (default: the config's `backend` field)"),
+          logger: list[str] = LoggerOpt):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -72,6 +94,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
+    cfg = _with_loggers(cfg, logger)
     if cfg.backend == "verl":
         _run_verl(config, cfg, resume)
     else:
@@ -126,13 +149,58 @@ def demo(
     out_dir: Path = typer.Option(None, help="where runs are written"),
     engine_url: str = typer.Option(None, help="use this running vLLM instead of starting one"),
     seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the mini-batches"),
+    logger: list[str] = LoggerOpt,
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
     overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
                                    "seed": seed}.items() if v is not None}
-    _run(TrainConfig(**overrides))
+    _run(_with_loggers(TrainConfig(**overrides), logger))
+
+
+@app.command("eval")
+def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
+          policy: str = typer.Option("base", "--policy", help="base, vN (adapters/policy-vN of --run, default the "
+                                     "newest run in out_dir that has it) or PATH (a PEFT adapter directory)"),
+          n: int = typer.Option(1, "--n", help="rollouts per held-out input (pass@k up to k = n)"),
+          run: Path = typer.Option(None, "--run", exists=True, file_okay=False, help="run directory for --policy vN"),
+          as_json: bool = typer.Option(False, "--json", help="print the result as JSON only"),
+          logger: list[str] = LoggerOpt):
+    """Run the harness on the held-out inputs without training: accuracy, pass@k, reward distribution."""
+    from pydantic import ValidationError
+
+    from .config import TrainConfig
+    from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
+
+    try:
+        cfg = TrainConfig.from_yaml(config)
+    except (ValidationError, ValueError) as exc:
+        err.print(f"[red]invalid config {config}[/red]: {exc}")
+        raise typer.Exit(2) from None
+    cfg = _with_loggers(cfg, logger)
+    if n < 1:
+        err.print(f"[red]--n must be at least 1[/red], got {n}")
+        raise typer.Exit(2)
+    try:
+        pol = resolve_policy(policy, cfg, run)
+    except PolicyNotFound as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    _sigterm_as_interrupt()
+    try:
+        res = run_eval(cfg, pol, n, err if as_json else console)
+    except KeyboardInterrupt:
+        err.print("interrupted: every service this evaluation started has been stopped")
+        raise typer.Exit(130) from None
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        sys.stdout.write(json.dumps(res) + "\n")
+        return
+    console.print(result_table(res, pol))
+    console.print(f"JSON: {res['eval_dir']}/eval.json")
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -186,8 +254,7 @@ def rollouts_list(limit: int = typer.Option(100, help="show the latest this many
     async def main():
         store = _store(redis, prefix)
         try:
-            ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
-            ids = [i for i in ids if run is None or i.startswith(run)]
+            ids = await store.rollout_ids(run)
             shown = ids[-limit:] if limit > 0 else ids
             return await store.get_rollouts(shown), len(ids)
         finally:
@@ -240,30 +307,57 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
 @rollouts_app.command("export")
 def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout"),
                     run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
+                    status: str = typer.Option(None, "--status", help="only rollouts in this state: queuing, running, "
+                                               "succeeded, failed"),
+                    min_reward: float = typer.Option(None, "--min-reward", help="only rollouts with reward >= this"),
+                    shape: str = typer.Option("calls", "--shape", help="calls (the records), rows (token ids, "
+                                              "response mask, logprobs, advantage: what trains) or messages (SFT "
+                                              "chat conversations + tools)"),
+                    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (parquet needs --out)"),
+                    out: Path = typer.Option(None, "--out", dir_okay=False,
+                                             help="write here instead of standard output"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
-    """Every recorded call as JSON Lines on standard output."""
+    """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
+    from agl_common.schemas import RolloutStatus
     from agl_common.store import RolloutNotFound
+
+    from .export import ExportError, ExportFilter, ExportStats, collect, write
+
+    try:
+        state = RolloutStatus(status) if status is not None else None
+    except ValueError:
+        err.print(f"[red]invalid --status {status!r}[/red]: choose {', '.join(s.value for s in RolloutStatus)}")
+        raise typer.Exit(2) from None
+    if shape not in ("calls", "rows", "messages") or fmt not in ("jsonl", "parquet"):
+        err.print(f"[red]invalid --shape {shape!r} or --format {fmt!r}[/red]: shapes calls, rows, messages; "
+                  "formats jsonl, parquet")
+        raise typer.Exit(2) from None
+    if fmt == "parquet" and out is None:
+        err.print("[red]--format parquet writes a file[/red]: give --out FILE.parquet")
+        raise typer.Exit(2) from None
+    stats = ExportStats()
 
     async def main():
         store = _store(redis, prefix)
         try:
-            if rollout is not None:
-                await store.get_rollout(rollout)
-                ids = [rollout]
-            else:
-                ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
-                ids = [i for i in ids if run is None or i.startswith(run)]
-            for rid in ids:
-                for c in await store.read_calls(rid):
-                    sys.stdout.write(c.model_dump_json() + "\n")
+            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, stats=stats)
         finally:
             await store.close()
 
     try:
-        asyncio.run(main())
+        records = asyncio.run(main())
+        write(records, shape, fmt, out, sys.stdout.buffer)
+        sys.stdout.flush()
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {rollout!r}[/red]")
         raise typer.Exit(1) from None
+    except ExportError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    if out is not None or stats.skipped_calls:
+        skipped = ", ".join(f"{n} {k}" for k, n in stats.skipped_calls.items())
+        err.print(f"{stats.records} {shape} record(s) from {stats.rollouts} rollout(s)"
+                  + (f" written to {out}" if out else "") + (f"; calls left out: {skipped}" if skipped else ""))
 
 
 # ---------------------------------------------------------------------------------------------- gateway

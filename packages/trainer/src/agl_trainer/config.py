@@ -92,6 +92,9 @@ class TrainConfig(BaseModel):
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
     out_dir: Path = Path("runs/demo")
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        ["console", "jsonl"], description="experiment trackers (verl's names; see agl_trainer.trackers): "
+        "console, jsonl (metrics.jsonl, always written), tensorboard, wandb (offline unless WANDB_MODE), mlflow")
     engine_startup_timeout_s: float = 900.0
     drain_timeout_s: float = 120.0
 

@@ -39,6 +39,8 @@ from .config import TrainConfig
 from .report import plot_curve, step_table, time_split_totals
 from .scheduler import Group, GroupScheduler, create_rollouts  # noqa: F401 (create_rollouts: re-exported)
 from .stepstats import TIME_KEYS, batch_signals, rollout_phase_split
+from .trackers import Trackers
+from .evalstats import eval_stats
 
 
 def _task_module(task_file: str | Path):
@@ -142,20 +144,17 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
                    on_progress: Callable[[int, int], None] | None = None,
-                   is_correct: Callable[[dict, float | None], bool] = default_is_correct) -> dict:
-    """One rollout per held-out problem under the current policy; a failed rollout counts as wrong.
+                   is_correct: Callable[[dict, float | None], bool] = default_is_correct, n: int = 1) -> dict:
+    """``n`` rollouts per held-out problem (one group each) under the current policy; a failed rollout counts
+    as wrong.
 
-    Returns ``accuracy`` (solved / n, solved as the task's ``is_correct`` says), ``n``, ``failed``,
-    ``reward_mean`` and ``correct`` (one 0/1 per problem, in the order of ``problems``).
+    Returns :func:`agl_trainer.evalstats.eval_stats`: ``accuracy`` (solved / rollouts, solved as the task's
+    ``is_correct`` says), ``n`` (rollouts), ``failed``, ``reward_mean``, ``correct`` (one 0/1 per rollout, in
+    the order of ``problems``, their ``n`` samples together), ``pass_at_k``, the reward distribution and the
+    per-rollout ``rewards``.
     """
-    ids = await create_rollouts(store, problems, 1, tag, version)
-    rollouts = await wait_terminal(store, ids, timeout_s, on_progress)
-    correct = [int(r.status == RolloutStatus.succeeded and is_correct(p, r.reward))
-               for p, r in zip(problems, rollouts)]
-    failed = sum(1 for r in rollouts if r.status == RolloutStatus.failed)
-    rewards = [r.reward or 0.0 for r in rollouts]
-    return {"accuracy": sum(correct) / len(rollouts), "failed": failed, "n": len(rollouts),
-            "reward_mean": sum(rewards) / len(rollouts), "correct": correct}
+    ids = await create_rollouts(store, problems, n, tag, version)
+    return eval_stats(await wait_terminal(store, ids, timeout_s, on_progress), is_correct)
 
 
 def new_run_id() -> str:
@@ -214,7 +213,11 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
     metrics_path = run_dir / "metrics.jsonl"
     metrics, evals = [], []
     train_s = 0.0  # seconds of training steps so far (evaluations excluded)
+    # metrics.jsonl and each chosen experiment tracker; the run prints its own console lines (below)
+    trackers = Trackers([n for n in cfg.loggers if n != "console"], run_dir, console)
+    show = "console" in cfg.loggers
     try:
+        trackers.log_config(cfg.model_dump(mode="json"))
         if state is None:
             await store.set_policy(Policy(model=cfg.model_name, version=0))
             await resume_gateway(store, model=cfg.model_name, version=0)
@@ -240,11 +243,11 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                            subset_accuracy=sum(head) / len(head), subset_n=len(head),
                            eval_s=time.perf_counter() - t)
                 evals.append(res)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps({"eval": when, **res}) + "\n")
-                console.print(f"held-out accuracy {when} (step {step}, {train_s / 60:.1f} min of training): "
-                              f"{res['accuracy']:.3f} ({sum(res['correct'])}/{res['n']}, failed {res['failed']}; "
-                              f"{res['eval_s']:.0f} s)")
+                trackers.log_eval(when, res, step)
+                if show:
+                    console.print(f"held-out accuracy {when} (step {step}, {train_s / 60:.1f} min of training): "
+                                  f"{res['accuracy']:.3f} ({sum(res['correct'])}/{res['n']}, failed {res['failed']}; "
+                                  f"{res['eval_s']:.0f} s)")
                 return res
 
             version, first_step = 0, 1
@@ -311,8 +314,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                 # what the rollout phase and the cycle did not explain: bookkeeping, rows, the checkpoint
                 m["time_idle_s"] = m["time_idle_s"] + max(0.0, m["step_s"] - sum(m.get(k) or 0.0 for k in TIME_KEYS))
                 train_s += m["step_s"]
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(m) + "\n")
+                trackers.log_metrics(m, step)  # metrics.jsonl and each chosen tracker
                 await scheduler.commit(batch.groups)
                 metrics.append(m)
                 last = step
@@ -320,12 +322,13 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                 progress.remove_task(rtask)
                 upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
                        f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
-                console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
-                              f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
-                              f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
-                              f"(generation {m['time_generation_s']:.0f} s, harness start-up "
-                              f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
-                              f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
+                if show:  # the console tracker's line
+                    console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
+                                  f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
+                                  f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
+                                  f"(generation {m['time_generation_s']:.0f} s, harness start-up "
+                                  f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
+                                  f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
                 out_of_time = cfg.max_train_minutes is not None and train_s / 60 >= cfg.max_train_minutes
                 if out_of_time:
                     console.print(f"stopping after step {step}: {train_s / 60:.1f} min of training "
@@ -336,6 +339,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                     break
             await run_eval("after", version, last, heldout)
     finally:
+        trackers.close()
         await store.close()
     console.print(step_table(metrics))
     curve = run_dir / "accuracy_curve.png"

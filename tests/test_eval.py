@@ -1,0 +1,118 @@
+"""``agl-trainer eval`` (issue 17): the held-out inputs through the real gateway, controller and a harness, with
+the stand-in engine (tests/fakes.py); accuracy, pass@k and the reward distribution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from agl_common.schemas import Rollout, RolloutStatus
+from typer.testing import CliRunner
+
+from agl_trainer.cli import app
+from agl_trainer.config import TrainConfig
+from agl_trainer.evalstats import eval_stats, pass_at_k
+from agl_trainer.evaluation import PolicyNotFound, resolve_policy
+from agl_trainer.loop import default_is_correct
+from fakes import Served, fake_upstream
+
+pytestmark = pytest.mark.integrations
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(2, 1, 1) == 0.5 and pass_at_k(2, 1, 2) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
+
+
+def test_eval_stats_by_hand():
+    def r(g, i, status="succeeded", reward=None):
+        return Rollout(rollout_id=f"{g}-{i}", group_id=g, status=RolloutStatus(status), reward=reward)
+
+    rs = [r("a", 0, reward=1.0), r("a", 1, reward=1.0), r("a", 2, reward=0.0), r("a", 3, reward=0.0),
+          r("b", 0, reward=0.0), r("b", 1, "failed"), r("b", 2, reward=1.0), r("b", 3, reward=0.5)]
+    s = eval_stats(rs, default_is_correct)  # solved: reward >= 1
+    assert s["accuracy"] == 3 / 8 and s["correct"] == [1, 1, 0, 0, 0, 0, 1, 0] and s["n"] == 8
+    assert s["reward_mean"] == 3.5 / 8 and s["failed"] == 1 and s["problems"] == 2
+    assert s["samples_per_problem"] == 4 and list(s["pass_at_k"]) == ["1", "2", "4"]
+    # a: n=4, c=2 → pass@2 = 1 - C(2,2)/C(4,2) = 5/6; b: n=4, c=1 → 1 - C(3,2)/C(4,2) = 1/2
+    assert s["pass_at_k"]["1"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert s["pass_at_k"]["2"] == pytest.approx((5 / 6 + 1 / 2) / 2) and s["pass_at_k"]["4"] == 1.0
+    assert s["reward"]["hist"] == {"0": 3, "0.5": 1, "1": 3} and s["reward"]["max"] == 1.0
+    assert s["rewards"] == [1.0, 1.0, 0.0, 0.0, 0.0, None, 1.0, 0.5]
+    import io
+
+    from rich.console import Console
+
+    from agl_trainer.evaluation import EvalPolicy, result_table
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(result_table(s, EvalPolicy("policy-v2", 2)))
+    text = out.getvalue()
+    assert "held-out evaluation of policy-v2 (v2)" in text and "pass@4" in text and "0.375" in text
+    assert "0: 3, 0.5: 1, 1: 3" in text
+
+
+def test_policy_resolution(tmp_path):
+    cfg = TrainConfig(out_dir=tmp_path / "runs")
+    assert resolve_policy("base", cfg).model == "smollm2"
+    for run in ("1201-000000-aaaa", "1201-000001-bbbb"):
+        d = tmp_path / "runs" / run / "adapters" / "policy-v2"
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+    p = resolve_policy("v2", cfg)
+    assert (p.model, p.version) == ("policy-v2", 2) and p.adapter.parts[-3] == "1201-000001-bbbb"
+    assert resolve_policy("v2", cfg, tmp_path / "runs" / "1201-000000-aaaa").adapter.parts[-3] == "1201-000000-aaaa"
+    with pytest.raises(PolicyNotFound, match="no adapter policy-v3"):
+        resolve_policy("v3", cfg)
+    assert resolve_policy(str(p.adapter), cfg).model == "policy-v2"
+    with pytest.raises(PolicyNotFound, match="not base, vN, or a directory"):
+        resolve_policy(str(tmp_path), cfg)
+
+
+TASKS = '''
+def heldout_problems():
+    return [{"question": "3 + 4?", "answer": 7}, {"question": "1 + 1?", "answer": 2},
+            {"question": "5 + 2?", "answer": 7, "flaky": True}]
+'''
+
+
+@pytest.mark.timeout(300)
+def test_eval_command_runs_the_harness(tmp_path, redis_url, prefix):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    with Served(fake_upstream()) as engine:
+        cfg = {"command": f"python {ROOT / 'tests' / 'harnesses' / 'eval_agent.py'}",
+               "task_file": str(tmp_path / "tasks.py"), "eval_size": 10, "engine_url": engine.url,
+               "redis_url": redis_url, "prefix": prefix, "out_dir": str(tmp_path / "runs"), "concurrency": 6,
+               "rollout_timeout_s": 60, "loggers": ["console", "jsonl", "tensorboard"]}
+        (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
+        res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--n", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    # 3 problems x 2 samples: always right (2/2), never (0/2), flaky (1/2)
+    assert out["n"] == 6 and out["problems"] == 3 and out["failed"] == 0
+    assert out["accuracy"] == 0.5
+    assert out["pass_at_k"] == {"1": pytest.approx(0.5), "2": pytest.approx(2 / 3)}
+    assert out["reward"]["hist"] == {"0": 3, "1": 3} and sorted(out["rewards"]) == [0.0] * 3 + [1.0] * 3
+    assert out["policy"] == "smollm2" and out["version"] == 0
+    eval_dir = Path(out["eval_dir"])
+    assert json.loads((eval_dir / "eval.json").read_text())["accuracy"] == 0.5
+    (line,) = [json.loads(x) for x in (eval_dir / "metrics.jsonl").read_text().splitlines()]
+    assert line["eval"] == "eval" and line["pass_at_k"]["2"] == pytest.approx(2 / 3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(eval_dir / "tensorboard"))
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("eval/accuracy")] == [0.5]
+
+
+def test_eval_bad_input_is_clear(tmp_path):
+    (tmp_path / "c.yaml").write_text(f"out_dir: {tmp_path / 'runs'}\n")
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "c.yaml"), "--policy", "v4"])
+    assert res.exit_code == 2 and "no adapter policy-v4" in res.output
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "c.yaml"), "--n", "0"])
+    assert res.exit_code == 2 and "--n must be at least 1" in res.output
