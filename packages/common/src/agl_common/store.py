@@ -127,6 +127,11 @@ class Store:
             out.append(Rollout.model_validate_json(raw))
         return out
 
+    async def rollout_ids(self, starting_with: str | None = None) -> list[str]:
+        """Every rollout id, oldest first (by creation time); only those starting with ``starting_with`` if given."""
+        ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, -1)]
+        return ids if starting_with is None else [i for i in ids if i.startswith(starting_with)]
+
     async def list_rollouts(self, limit: int = 1000) -> list[Rollout]:
         ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, limit - 1)]
         return await self.get_rollouts(ids)
@@ -219,6 +224,10 @@ class Store:
         if attempt_id is not None:
             calls = [c for c in calls if c.attempt_id == attempt_id]
         return sorted(calls, key=lambda c: (int(c.attempt_id), c.seq))
+
+    async def call_entries(self, rollout_id: str) -> int:
+        """How many call records the rollout's stream holds, all attempts together (XLEN; 0 if none)."""
+        return int(await self.r.xlen(self.key("calls", rollout_id)))
 
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
