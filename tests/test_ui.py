@@ -26,7 +26,7 @@ from agl_common.schemas import CallRecord, Policy, Rollout, RolloutStatus
 from agl_common.store import Store
 from agl_gateway import GatewaySettings, create_app as gateway_app
 from agl_trainer.ui.runs import load_run
-from agl_trainer.ui.server import CALLS_PER_PAGE, create_app
+from agl_trainer.ui.server import CALLS_PER_PAGE, ROWS_PER_PAGE, create_app
 from agl_trainer.ui.traces import Decoder
 
 from fakes import Served, free_port
@@ -98,6 +98,10 @@ def grpo(rewards: list[float]) -> list[float]:
     return [(r - mean) / (std + 1e-6) if std > 0 else 0.0 for r in rewards]
 
 
+def c_said(call) -> str:
+    return call.response["choices"][0]["message"]["content"]
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -150,7 +154,7 @@ def test_group_and_rollout_pages_show_what_redis_holds(recorded):
 
 def test_calls_are_paged(redis_url, prefix, tmp_path):
     """A rollout with more calls than a page: the calls table shows one page and links the next."""
-    n = CALLS_PER_PAGE + 30
+    n = ROWS_PER_PAGE + 30  # every call its own row (no prompt extends another): rows are paged too
 
     async def write():
         store = Store(redis_url, prefix)
@@ -164,9 +168,12 @@ def test_calls_are_paged(redis_url, prefix, tmp_path):
     asyncio.run(write())
     with Served(create_app(redis_url, prefix, tmp_path)) as ui:
         p1 = httpx.get(f"{ui.url}/rollouts/big", timeout=60).text
-        p2 = httpx.get(f"{ui.url}/rollouts/big?page=2", timeout=60).text
-    assert p1.count("<tr data-seq=") == CALLS_PER_PAGE and 'href="?page=2"' in p1
-    assert p2.count("<tr data-seq=") == 30 and 'data-seq="130"' not in p2 and 'data-seq="129"' in p2
+        last = httpx.get(f"{ui.url}/rollouts/big?page=3&rpage=2", timeout=60).text
+    assert p1.count("<tr data-seq=") == CALLS_PER_PAGE and 'href="?page=2&rpage=1"' in p1
+    assert p1.count("<tr data-row=") == ROWS_PER_PAGE and 'href="?page=1&rpage=2"' in p1
+    assert last.count("<tr data-seq=") == n - 2 * CALLS_PER_PAGE and f'data-seq="{n - 1}"' in last
+    assert f'data-seq="{n}"' not in last and 'data-seq="199"' not in last
+    assert last.count("<tr data-row=") == n - ROWS_PER_PAGE and f'data-row="{n - 1}"' in last
 
 
 def test_run_directories_are_read_defensively(tmp_path):
@@ -288,7 +295,7 @@ def test_click_from_run_to_token_row(recorded, page):
     shot(page, "05-rollout")
     assert page.url.endswith(f"/runs/{run_id}/steps/1/groups/{gid}/rollouts/{rid}")
     assert page.locator("#calls tbody tr").count() == len(calls) == 3
-    assert "8" in page.inner_text("#calls tbody tr:first-child td.said")  # what the agent said
+    assert page.inner_text("#calls tbody tr:first-child td.said") == c_said(calls[0])  # what the agent said
     c0, c1, c2 = calls
     seq0 = c1.prompt_token_ids + c1.response_token_ids  # row 0 = calls 0 and 1 merged
     offset = first_difference(seq0, c2.prompt_token_ids)
@@ -300,6 +307,13 @@ def test_click_from_run_to_token_row(recorded, page):
     assert page.inner_text("tr[data-row='1'] .break-class") == "template_rerender"
     assert page.inner_text("tr[data-row='1'] .break-offset") == str(offset)
 
+    page.click("#calls tbody tr:nth-child(3) a.call-link")  # one call in full: what was sent and answered
+    page.wait_for_selector("#request")
+    shot(page, "05b-call")
+    assert page.url.endswith(f"/rollouts/{rid}/calls/0/2")
+    assert json.loads(page.inner_text("#request")) == calls[2].request
+    assert json.loads(page.inner_text("#response")) == calls[2].response
+    page.go_back()
     page.click("a:text-is('row 1')")
     page.wait_for_selector("#merge-break")
     shot(page, "06-row-break")

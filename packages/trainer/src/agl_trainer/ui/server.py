@@ -38,6 +38,7 @@ from .traces import Decoder, TraceCache, group_view, logprob_colour, message_tex
 HERE = Path(__file__).parent
 #: Calls per page of a rollout's calls table, tokens per page of a row's token view.
 CALLS_PER_PAGE = 100
+ROWS_PER_PAGE = 200
 TOKENS_PER_PAGE = 1024
 #: How often (ms) the run list, run page and gateway page poll for changes.
 POLL_MS = 2000
@@ -211,18 +212,25 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
         trace = await traces.get(rollout, settings)
         return run, rollout, trace
 
-    async def rollout_page(request, run_id, step, gid, rid, page_no: int):
+    async def rollout_page(request, run_id, step, gid, rid, page_no: int, rows_page: int):
         run, rollout, trace = await rollout_context(run_id, step, gid, rid)
         n_pages = max(1, math.ceil(len(trace.calls) / CALLS_PER_PAGE))
         if not 1 <= page_no <= n_pages:
             raise PageError(404, "No such page", f"Rollout {rid} has {len(trace.calls)} calls: pages 1 to {n_pages}.")
+        n_row_pages = max(1, math.ceil(len(trace.rows) / ROWS_PER_PAGE))
+        if not 1 <= rows_page <= n_row_pages:
+            raise PageError(404, "No such page", f"Rollout {rid} has {len(trace.rows)} rows: row pages 1 to "
+                                                 f"{n_row_pages}.")
         calls = trace.calls[(page_no - 1) * CALLS_PER_PAGE: page_no * CALLS_PER_PAGE]
+        row_lo = (rows_page - 1) * ROWS_PER_PAGE
+        rows = list(enumerate(trace.rows))[row_lo: row_lo + ROWS_PER_PAGE]
         base = rollout_url(run, step, gid, rid)
         adv = None
         if run is not None and step is not None and gid is not None:
             adv = (await group_summary(run, gid))["advantages"].get(rid)
         return page(request, "rollout.html", run=run, step=step, gid=gid, rollout=rollout, trace=trace,
-                    calls=calls, page_no=page_no, n_pages=n_pages, base=base, advantage=adv,
+                    calls=calls, page_no=page_no, n_pages=n_pages, base=base, advantage=adv, rows=rows,
+                    rows_page=rows_page, n_row_pages=n_row_pages,
                     message_text=message_text, crumbs=crumbs(run, step, gid, rid))
 
     async def row_page(request, run_id, step, gid, rid, k: int, page_no: int):
@@ -257,17 +265,38 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
                     n_sampled=sum(row.response_mask), n_context=len(row.response_mask) - sum(row.response_mask),
                     crumbs=crumbs(run, step, gid, rid) + [(f"row {k}", f"{base}/rows/{k}")])
 
+    async def call_page(request, run_id, step, gid, rid, aid: str, seq: int):
+        run, rollout, trace = await rollout_context(run_id, step, gid, rid)
+        found = [c for c in trace.calls if c.attempt_id == aid and c.seq == seq]
+        if not found:
+            raise PageError(404, "Unknown call", f"Rollout {rid} has no call {seq} in attempt {aid} "
+                                                 f"({len(trace.calls)} calls recorded).")
+        base = rollout_url(run, step, gid, rid)
+        return page(request, "call.html", rollout=rollout, c=found[0], base=base, said=message_text(found[0]),
+                    row_k=trace.row_of_call.get((aid, seq)),
+                    crumbs=crumbs(run, step, gid, rid) + [(f"call {aid}/{seq}", f"{base}/calls/{aid}/{seq}")])
+
     @app.get("/runs/{run_id}/steps/{step}/groups/{gid}/rollouts/{rid}", response_class=HTMLResponse)
-    async def nested_rollout(request: Request, run_id: str, step: int, gid: str, rid: str, page: int = 1):
-        return await rollout_page(request, run_id, step, gid, rid, page)
+    async def nested_rollout(request: Request, run_id: str, step: int, gid: str, rid: str, page: int = 1,
+                             rpage: int = 1):
+        return await rollout_page(request, run_id, step, gid, rid, page, rpage)
+
+    @app.get("/runs/{run_id}/steps/{step}/groups/{gid}/rollouts/{rid}/calls/{aid}/{seq}",
+             response_class=HTMLResponse)
+    async def nested_call(request: Request, run_id: str, step: int, gid: str, rid: str, aid: str, seq: int):
+        return await call_page(request, run_id, step, gid, rid, aid, seq)
+
+    @app.get("/rollouts/{rid}/calls/{aid}/{seq}", response_class=HTMLResponse)
+    async def plain_call(request: Request, rid: str, aid: str, seq: int):
+        return await call_page(request, None, None, None, rid, aid, seq)
 
     @app.get("/runs/{run_id}/steps/{step}/groups/{gid}/rollouts/{rid}/rows/{k}", response_class=HTMLResponse)
     async def nested_row(request: Request, run_id: str, step: int, gid: str, rid: str, k: int, page: int = 1):
         return await row_page(request, run_id, step, gid, rid, k, page)
 
     @app.get("/rollouts/{rid}", response_class=HTMLResponse)
-    async def plain_rollout(request: Request, rid: str, page: int = 1):
-        return await rollout_page(request, None, None, None, rid, page)
+    async def plain_rollout(request: Request, rid: str, page: int = 1, rpage: int = 1):
+        return await rollout_page(request, None, None, None, rid, page, rpage)
 
     @app.get("/rollouts/{rid}/rows/{k}", response_class=HTMLResponse)
     async def plain_row(request: Request, rid: str, k: int, page: int = 1):
