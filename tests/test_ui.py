@@ -365,8 +365,15 @@ def test_live_updates_without_reload(recorded, page):
 
     run_async(set_policy())
     page.wait_for_function("document.getElementById('policy').textContent.includes('policy-v7')", timeout=20_000)
+    # a gateway replica starts: its heartbeat shows up, then goes once it stops (the heartbeat expires after 5 s)
+    with Served(char_upstream()) as up, Served(gateway_app(GatewaySettings(
+            upstream=up.url + "/v1", redis_url=recorded["redis_url"], prefix=recorded["prefix"], model="agent",
+            heartbeat_s=0.2))):
+        page.wait_for_function("document.querySelectorAll('#replicas tbody tr').length === 1", timeout=20_000)
+        shot(page, "09-gateway")
+        assert page.inner_text("#paused") == "0" and page.inner_text("#in-flight") == "0"
+    page.wait_for_function("document.querySelectorAll('#replicas tbody tr').length === 0", timeout=30_000)
     assert page.evaluate("window.__same_page") is True
-    shot(page, "09-gateway")
 
 
 @pytest.mark.browser
