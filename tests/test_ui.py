@@ -192,6 +192,24 @@ def test_run_directories_are_read_defensively(tmp_path):
     assert {s["label"]: s["values"] for s in times["series"]}["pause-drain"] == [0.3]
 
 
+def test_tokenizer_option():
+    """A tokenizer directory decodes ids (the trainer's tiny test tokenizer here); a missing one is a clear error."""
+    from agl_trainer.ui.server import load_decoder
+
+    tiny = ROOT / "packages" / "trainer" / "src" / "agl_trainer" / "assets" / "tiny-tokenizer"
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny).encode("hello world")
+    dec = load_decoder(str(tiny))
+    assert dec.text(ids) == AutoTokenizer.from_pretrained(tiny).decode(ids) and dec.eos_ids is not None
+    assert load_decoder("none").decode is None
+    with pytest.raises(FileNotFoundError):
+        load_decoder(str(ROOT / "no-such-dir"))
+    r = subprocess.run([sys.executable, "-m", "agl_trainer", "ui", "--tokenizer", str(ROOT / "no-such-dir")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no tokenizer in" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_cli_prints_the_url_and_serves(tmp_path, redis_url, prefix):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
