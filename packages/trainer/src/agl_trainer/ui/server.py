@@ -139,7 +139,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
     async def group_summary(run: Run, gid: str) -> dict[str, Any]:
         settings = run_settings(run.config)
         rollouts = await group_rollouts(run, gid)
-        tr = {r.rollout_id: await traces.get(r, settings) for r in rollouts}
+        tr = {r.rollout_id: await traces.summary(r, settings) for r in rollouts}
         view = group_view(rollouts, tr, settings)
         return {"group_id": gid, "rollouts": rollouts, "traces": tr, **view,
                 "input": rollouts[0].input if rollouts else None}

@@ -97,33 +97,63 @@ def analyse(rollout: Rollout, calls: list[CallRecord], settings: dict[str, Any],
     return trace
 
 
+@dataclass(frozen=True)
+class TraceSummary:
+    """What the group and step pages need of a rollout's trace: counts only (a few bytes, cached by thousands)."""
+
+    calls: int
+    rows: int
+    merge_breaks: int
+
+
 class TraceCache:
     """Analysed rollouts, rebuilt only when the rollout's record or its number of calls changed.
 
-    Keeps the ``size`` most recently used (a 32k-token trace is a few MB of Python lists).
+    Keeps the ``size`` most recently used traces (a 32k-token trace is tens of MB of Python lists) and the
+    :class:`TraceSummary` of up to ``summaries`` rollouts, so that a step page of many groups stays cached.
     """
 
-    def __init__(self, store: Store, decoder: Decoder, size: int = 64):
-        self.store, self.decoder, self.size = store, decoder, size
+    def __init__(self, store: Store, decoder: Decoder, size: int = 32, summaries: int = 20_000):
+        self.store, self.decoder, self.size, self.max_summaries = store, decoder, size, summaries
         self._items: OrderedDict[tuple, Trace] = OrderedDict()
+        self._summaries: OrderedDict[tuple, TraceSummary] = OrderedDict()
+
+    async def _key(self, rollout: Rollout, settings: dict[str, Any]) -> tuple:
+        n = await self.store.call_entries(rollout.rollout_id)
+        return rollout.rollout_id, rollout.model_dump_json(), n, tuple(sorted(settings.items()))
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: tuple, value: Any, size: int) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > size:
+            cache.popitem(last=False)
 
     async def get(self, rollout: Rollout, settings: dict[str, Any]) -> Trace:
         """The :class:`Trace` of ``rollout`` (one XLEN round trip when cached, else the whole stream)."""
-        n = await self.store.call_entries(rollout.rollout_id)
-        key = (rollout.rollout_id, rollout.model_dump_json(), n, tuple(sorted(settings.items())))
+        key = await self._key(rollout, settings)
         hit = self._items.get(key)
         if hit is not None:
             self._items.move_to_end(key)
             return hit
-        calls = await self.store.read_calls(rollout.rollout_id)
-        trace = analyse(rollout, calls, settings, self.decoder)
-        self._items[key] = trace
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        trace = analyse(rollout, await self.store.read_calls(rollout.rollout_id), settings, self.decoder)
+        self._remember(self._items, key, trace, self.size)
+        self._remember(self._summaries, key, TraceSummary(len(trace.calls), len(trace.rows), trace.stats.merge_breaks),
+                       self.max_summaries)
         return trace
 
+    async def summary(self, rollout: Rollout, settings: dict[str, Any]) -> TraceSummary:
+        """The :class:`TraceSummary` of ``rollout`` (analysing it once if it is not cached)."""
+        key = await self._key(rollout, settings)
+        hit = self._summaries.get(key)
+        if hit is not None:
+            self._summaries.move_to_end(key)
+            return hit
+        await self.get(rollout, settings)
+        return self._summaries[key]
 
-def group_view(rollouts: list[Rollout], traces: dict[str, Trace], settings: dict[str, Any]) -> dict[str, Any]:
+
+def group_view(rollouts: list[Rollout], traces: dict[str, TraceSummary], settings: dict[str, Any]) -> dict[str, Any]:
     """One GRPO group as the trainer saw it.
 
     Returns ``{"advantages": {rollout_id: float}, "signal": str, "kept": int}``: the advantage of each
@@ -134,7 +164,7 @@ def group_view(rollouts: list[Rollout], traces: dict[str, Trace], settings: dict
     if any(r.status.value in ("queuing", "running") for r in rollouts):
         return {"advantages": {}, "signal": "pending", "kept": 0}
     kept, _ = select_groups(rollouts, int(settings["min_group_size"]))
-    kept = [r for r in kept if traces.get(r.rollout_id) is not None and traces[r.rollout_id].rows]
+    kept = [r for r in kept if traces.get(r.rollout_id) is not None and traces[r.rollout_id].rows > 0]
     if not kept:
         return {"advantages": {}, "signal": "dropped", "kept": 0}
     rewards = torch.tensor([float(r.reward) for r in kept])
