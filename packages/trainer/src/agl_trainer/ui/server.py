@@ -91,7 +91,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
     async def on_redis_error(request: Request, exc: RedisError):
         return error_page(request, 503, "Redis is not reachable",
                           f"The dashboard reads rollouts and calls from Redis at {redis_url} (prefix {prefix!r}) and "
-                          f"could not: {type(exc).__name__}: {exc}. Start Redis or pass --redis URL; run pages "
+                          f"could not: {type(exc).__name__}: {str(exc).rstrip('.')}. Start Redis or pass --redis URL; run pages "
                           f"that only need {runs_dir} still work.")
 
     @app.exception_handler(StarletteHTTPException)
