@@ -225,6 +225,10 @@ class Store:
             calls = [c for c in calls if c.attempt_id == attempt_id]
         return sorted(calls, key=lambda c: (int(c.attempt_id), c.seq))
 
+    async def call_entries(self, rollout_id: str) -> int:
+        """How many call records the rollout's stream holds, all attempts together (XLEN; 0 if none)."""
+        return int(await self.r.xlen(self.key("calls", rollout_id)))
+
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
         entry_id = await self.r.xadd(self.key("events", rollout_id), {"d": body})

@@ -57,6 +57,8 @@ class Row:
     has_logprobs: bool = True
     n_calls: int = 0
     model_version: int = 0
+    #: ``seq`` of each call merged into the row, in order (``seqs[0]`` is the call that started it)
+    seqs: list[int] = field(default_factory=list)
 
     def full_ids(self) -> list[int]:
         """``prompt_ids + response_ids`` (a new list)."""
@@ -78,6 +80,7 @@ class Row:
         else:
             self.old_logprobs += call.response_logprobs
         self.n_calls += 1
+        self.seqs.append(call.seq)
         self.model_version = min(self.model_version, call.model_version) if self.n_calls > 1 else call.model_version
 
     def truncate_response(self, n: int) -> int:

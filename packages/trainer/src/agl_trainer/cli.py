@@ -203,6 +203,32 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     console.print(f"JSON: {res['eval_dir']}/eval.json")
 
 
+@app.command()
+def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
+       runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", envvar="AGL_RUNS_DIR",
+                                     help="folder holding run directories (runs/<name>/<run-id>/)"),
+       host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every interface)"),
+       port: int = typer.Option(8765, help="port to listen on"),
+       tokenizer: str = typer.Option(None, help="tokenizer directory for decoding token ids (default: the "
+                                     "demo's base model if cached; 'none': show ids)")):
+    """The local web dashboard: runs, steps, groups, rollouts, token-level rows, the gateway now."""
+    import uvicorn
+
+    from .ui.server import create_app, load_decoder
+
+    try:
+        decoder = load_decoder(tokenizer)
+    except FileNotFoundError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    app_ = create_app(redis, prefix, runs_dir, decoder)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redis} "
+                  f"prefix {prefix!r}; Ctrl-C stops it)", soft_wrap=True)
+    sys.stdout.flush()
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
 # ---------------------------------------------------------------------------------------------- rollouts
 @rollouts_app.command("create")
 def rollouts_create(

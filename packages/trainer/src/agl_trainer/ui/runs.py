@@ -1,0 +1,178 @@
+"""Run directories as the dashboard reads them: config, per-step metrics, evaluations, summary, status.
+
+A run is a directory holding ``config.json`` or ``metrics.jsonl`` (``runs/<name>/<run-id>/``); it is
+named by its directory name (the run id, also the prefix of its rollout ids). Every field is read
+defensively: older runs lack some (``time_generation_s`` was ``rollout_s``, ``heldout_before`` was
+``accuracy_before``...), and a run still training has a half-written last line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
+RUNNING_WINDOW_S = 300
+
+#: Per-step series drawn on the run page: (title, [(label, candidate keys, first present wins)]).
+CHARTS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
+    ("reward and accuracy", [("reward mean", ("reward_mean",)), ("accuracy", ("accuracy",))]),
+    ("loss", [("loss", ("loss",))]),
+    ("KL and ratio", [("kl", ("kl", "kl_mean")), ("ratio mean", ("ratio_mean",)), ("clip frac", ("clip_frac",))]),
+    ("rows, merge breaks, failed rollouts", [("rows", ("rows",)), ("merge breaks", ("merge_breaks",)),
+                                             ("failed", ("failed",))]),
+    ("step time split (s)", [("generation", ("time_generation_s", "rollout_s")), ("waiting", ("time_wait_s",)),
+                             ("update", ("time_update_s",)), ("weight load", ("time_weight_load_s",)),
+                             ("pause-drain", ("time_pause_drain_s", "drain_s")), ("step", ("step_s",))]),
+]
+
+#: Columns of the run page's step table: (title, candidate keys).
+STEP_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("step", ("step",)), ("policy", ("policy_version",)), ("reward", ("reward_mean",)), ("acc", ("accuracy",)),
+    ("loss", ("loss",)), ("kl", ("kl", "kl_mean")), ("rows", ("rows",)), ("breaks", ("merge_breaks",)),
+    ("failed", ("failed",)), ("groups", ("groups",)), ("step s", ("step_s",)),
+]
+
+
+def pick(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    """The value of the first of ``keys`` present (and not None) in ``d``, else None."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """JSON objects of a JSON Lines file; a line that does not parse (a half-written last line) is skipped."""
+    out = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+@dataclass
+class Run:
+    """One run directory, read once. ``steps``: the metrics lines with a ``step`` (and no ``eval``),
+    in file order; ``evals``: the evaluation lines (``eval``: before / during / after)."""
+
+    run_id: str
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    mtime: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """The run's name: its parent directory (``demo`` for ``runs/demo/<run-id>``)."""
+        return self.path.parent.name
+
+    @property
+    def status(self) -> str:
+        """``finished`` (a summary exists), ``running`` (metrics changed in the last
+        :data:`RUNNING_WINDOW_S` seconds) or ``stopped`` (neither: killed, or waiting on its first step)."""
+        if self.summary is not None:
+            return "finished"
+        return "running" if time.time() - self.mtime < RUNNING_WINDOW_S else "stopped"
+
+    def eval_accuracy(self, when: str) -> float | None:
+        """Held-out accuracy ``before`` or ``after`` training (fraction): the summary's ``heldout_{when}``
+        (or older ``accuracy_{when}``), else the last eval line of that kind."""
+        if self.summary:
+            v = pick(self.summary, (f"heldout_{when}", f"accuracy_{when}"))
+            if isinstance(v, (int, float)):
+                return float(v)
+        lines = [e for e in self.evals if (e.get("eval") or e.get("when")) == when]
+        v = lines[-1].get("accuracy") if lines else None
+        return float(v) if isinstance(v, (int, float)) else None
+
+    def step(self, number: int) -> dict[str, Any] | None:
+        """The last metrics line of step ``number`` (a resumed run may repeat one), or None."""
+        found = [m for m in self.steps if m.get("step") == number]
+        return found[-1] if found else None
+
+    def series(self) -> list[dict[str, Any]]:
+        """The :data:`CHARTS` data: per chart its title, the step numbers and one list per series
+        (None where a step lacks the field)."""
+        xs = [m.get("step") for m in self.steps]
+        return [{"title": title, "x": xs,
+                 "series": [{"label": label, "values": [_num(pick(m, keys)) for m in self.steps]}
+                            for label, keys in series]}
+                for title, series in CHARTS]
+
+    def table(self) -> list[list[str]]:
+        """The step table's cells (strings), one list per step, columns as :data:`STEP_COLUMNS`."""
+        return [[_cell(pick(m, keys)) for _, keys in STEP_COLUMNS] for m in self.steps]
+
+    def to_json(self) -> dict[str, Any]:
+        """What the run page polls (``/api/runs/{run_id}``)."""
+        return {"run_id": self.run_id, "status": self.status, "steps": len(self.steps),
+                "step_numbers": [m.get("step") for m in self.steps],
+                "before": self.eval_accuracy("before"), "after": self.eval_accuracy("after"),
+                "charts": self.series(), "table": self.table()}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list):
+        return str(len(v))
+    return str(v)
+
+
+def load_run(path: Path) -> Run:
+    """Read one run directory (missing files give empty fields, never an error)."""
+    metrics = path / "metrics.jsonl"
+    lines = read_jsonl(metrics)
+    mtimes = [p.stat().st_mtime for p in (metrics, path / "config.json", path / "summary.json") if p.exists()]
+    return Run(run_id=path.name, path=path, config=_read_json(path / "config.json") or {},
+               summary=_read_json(path / "summary.json"),
+               steps=[m for m in lines if "step" in m and "eval" not in m and "when" not in m],
+               evals=[m for m in lines if "eval" in m or "when" in m], mtime=max(mtimes, default=0.0))
+
+
+def find_runs(runs_dir: Path) -> list[Path]:
+    """Run directories under ``runs_dir`` (it, its children and grandchildren holding ``config.json`` or
+    ``metrics.jsonl``), newest first. A missing ``runs_dir`` has none."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    candidates = [runs_dir, *runs_dir.glob("*/"), *runs_dir.glob("*/*/")]
+    found = [p for p in candidates if p.is_dir() and ((p / "config.json").exists() or (p / "metrics.jsonl").exists())]
+    return sorted(found, key=lambda p: max((q.stat().st_mtime for q in (p / "metrics.jsonl", p / "config.json")
+                                            if q.exists()), default=0.0), reverse=True)
+
+
+def find_run(runs_dir: Path, run_id: str) -> Run | None:
+    """The run whose directory is named ``run_id``, or None."""
+    for p in find_runs(runs_dir):
+        if p.name == run_id:
+            return load_run(p)
+    return None

@@ -1,0 +1,203 @@
+"""Rollouts, groups and rows as the dashboard shows them, computed from the Store's records.
+
+Rows and merge breaks come from :func:`agl_trainer.aggregate.build_rows` run on the rollout's current
+attempt with the run's own settings (``aggregation``, ``max_prompt_tokens``, ``max_response_tokens``),
+and advantages from :func:`agl_trainer.advantage.rollout_advantages` with the run's ``advantage``,
+``norm_by_std`` and ``min_group_size``, over the same rollouts the trainer keeps
+(:func:`agl_trainer.loop.select_groups`, then only rollouts that yield a row, as ``build_batch`` does):
+the page shows what training used, not a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from agl_common.schemas import CallRecord, Rollout
+from agl_common.store import Store
+
+from ..advantage import rollout_advantages
+from ..aggregate import AggregateStats, Row, build_rows
+from ..loop import select_groups
+
+#: TrainConfig fields the views use, with the defaults of runs whose config lacks them.
+SETTINGS_DEFAULTS: dict[str, Any] = {"aggregation": "trajectory", "advantage": "grpo", "norm_by_std": True,
+                                     "min_group_size": 2, "max_prompt_tokens": None, "max_response_tokens": None}
+
+
+def run_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`SETTINGS_DEFAULTS` keys, each from ``config`` (a run's ``config.json``) when present."""
+    return {k: config.get(k, v) for k, v in SETTINGS_DEFAULTS.items()}
+
+
+@dataclass
+class Decoder:
+    """Token ids → text for the token view and merge-break classes. Without one, ids are shown as numbers.
+
+    ``decode``: ids → text (``tokenizer.decode``); ``eos_ids``: end-of-turn ids for the
+    ``missing_stop_token`` check (:func:`agl_trainer.aggregate.end_of_turn_ids`).
+    """
+
+    decode: Callable[[list[int]], str] | None = None
+    eos_ids: set[int] | None = None
+
+    def text(self, ids: list[int]) -> str | None:
+        if self.decode is None:
+            return None
+        try:
+            return self.decode(list(ids))
+        except Exception:  # noqa: BLE001 - an id the tokenizer lacks must not break a page
+            return None
+
+    def piece(self, token_id: int) -> str:
+        """One token's text (its id in brackets without a decoder)."""
+        t = self.text([token_id])
+        return f"[{token_id}]" if t is None else t
+
+
+@dataclass
+class Trace:
+    """One rollout analysed: every recorded call (all attempts), the current attempt's rows, and each
+    merge break attached to the row it started (``breaks[k]``: the break before row ``k``, or absent)."""
+
+    rollout: Rollout
+    calls: list[CallRecord]
+    rows: list[Row]
+    stats: AggregateStats
+    breaks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: (attempt_id, seq) of a call → index of the row it went into
+    row_of_call: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def analyse(rollout: Rollout, calls: list[CallRecord], settings: dict[str, Any], decoder: Decoder) -> Trace:
+    """Build the rows of ``rollout``'s current attempt as training does, and place every merge break.
+
+    Every break is kept (not only the metrics' first few per class), with 16 tokens either side of its
+    diverging offset. Cost: that of :func:`build_rows`, O(tokens of the attempt's calls).
+    """
+    stats = AggregateStats(max_examples=10**9, example_context_tokens=16)
+    current = [c for c in calls if c.attempt_id == rollout.attempt_id]
+    rows = build_rows(current, settings["aggregation"], stats, decode=decoder.decode, eos_token_ids=decoder.eos_ids,
+                      max_prompt_tokens=settings["max_prompt_tokens"],
+                      max_response_tokens=settings["max_response_tokens"])
+    first_call = {row.seqs[0]: k for k, row in enumerate(rows) if row.seqs}
+    trace = Trace(rollout=rollout, calls=calls, rows=rows, stats=stats)
+    for cls, examples in stats.merge_break_examples.items():
+        for ex in examples:
+            k = first_call.get(ex["seq"])
+            if k is not None:
+                trace.breaks[k] = {**ex, "class": cls}
+    for k, row in enumerate(rows):
+        for s in row.seqs:
+            trace.row_of_call[(rollout.attempt_id, s)] = k
+    return trace
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """What the group and step pages need of a rollout's trace: counts only (a few bytes, cached by thousands)."""
+
+    calls: int
+    rows: int
+    merge_breaks: int
+
+
+class TraceCache:
+    """Analysed rollouts, rebuilt only when the rollout's record or its number of calls changed.
+
+    Keeps the ``size`` most recently used traces (a 32k-token trace is tens of MB of Python lists) and the
+    :class:`TraceSummary` of up to ``summaries`` rollouts, so that a step page of many groups stays cached.
+    """
+
+    def __init__(self, store: Store, decoder: Decoder, size: int = 32, summaries: int = 20_000):
+        self.store, self.decoder, self.size, self.max_summaries = store, decoder, size, summaries
+        self._items: OrderedDict[tuple, Trace] = OrderedDict()
+        self._summaries: OrderedDict[tuple, TraceSummary] = OrderedDict()
+
+    async def _key(self, rollout: Rollout, settings: dict[str, Any]) -> tuple:
+        n = await self.store.call_entries(rollout.rollout_id)
+        return rollout.rollout_id, rollout.model_dump_json(), n, tuple(sorted(settings.items()))
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: tuple, value: Any, size: int) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > size:
+            cache.popitem(last=False)
+
+    async def get(self, rollout: Rollout, settings: dict[str, Any]) -> Trace:
+        """The :class:`Trace` of ``rollout`` (one XLEN round trip when cached, else the whole stream)."""
+        key = await self._key(rollout, settings)
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+            return hit
+        trace = analyse(rollout, await self.store.read_calls(rollout.rollout_id), settings, self.decoder)
+        self._remember(self._items, key, trace, self.size)
+        self._remember(self._summaries, key, TraceSummary(len(trace.calls), len(trace.rows), trace.stats.merge_breaks),
+                       self.max_summaries)
+        return trace
+
+    async def summary(self, rollout: Rollout, settings: dict[str, Any]) -> TraceSummary:
+        """The :class:`TraceSummary` of ``rollout`` (analysing it once if it is not cached)."""
+        key = await self._key(rollout, settings)
+        hit = self._summaries.get(key)
+        if hit is not None:
+            self._summaries.move_to_end(key)
+            return hit
+        await self.get(rollout, settings)
+        return self._summaries[key]
+
+
+def group_view(rollouts: list[Rollout], traces: dict[str, TraceSummary], settings: dict[str, Any]) -> dict[str, Any]:
+    """One GRPO group as the trainer saw it.
+
+    Returns ``{"advantages": {rollout_id: float}, "signal": str, "kept": int}``: the advantage of each
+    rollout that took part (kept by ``select_groups`` and yielding a row; others have none), and the
+    group's verdict: ``signal``, ``equal rewards`` (no advantage signal: skipped by the update),
+    ``dropped`` (fewer than ``min_group_size`` succeeded) or ``pending`` (rollouts unfinished).
+    """
+    if any(r.status.value in ("queuing", "running") for r in rollouts):
+        return {"advantages": {}, "signal": "pending", "kept": 0}
+    kept, _ = select_groups(rollouts, int(settings["min_group_size"]))
+    kept = [r for r in kept if traces.get(r.rollout_id) is not None and traces[r.rollout_id].rows > 0]
+    if not kept:
+        return {"advantages": {}, "signal": "dropped", "kept": 0}
+    rewards = torch.tensor([float(r.reward) for r in kept])
+    adv = rollout_advantages(rewards, torch.zeros(len(kept), dtype=torch.int64), settings["advantage"],
+                             bool(settings["norm_by_std"]))
+    advantages = {r.rollout_id: float(a) for r, a in zip(kept, adv.tolist())}
+    signal = "signal" if any(abs(a) > 0 for a in advantages.values()) else "equal rewards"
+    return {"advantages": advantages, "signal": signal, "kept": len(kept)}
+
+
+def logprob_colour(lp: float) -> str:
+    """CSS background for a sampled token of logprob ``lp`` (nats): hue 0 (red, p → 0) to 120 (green, p = 1)."""
+    p = math.exp(max(-30.0, min(0.0, lp)))
+    return f"hsl({round(120 * p)},75%,82%)"
+
+
+def message_text(call: CallRecord) -> str:
+    """What the model answered in ``call`` (the assistant text or tool calls of the response), for the calls table."""
+    resp = call.response or {}
+    try:
+        if call.route == "chat":
+            msg = resp["choices"][0]["message"]
+            text = msg.get("content") or ""
+            for tc in msg.get("tool_calls") or []:
+                fn = tc.get("function", {})
+                text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
+            return text
+        if call.route == "completions":
+            return resp["choices"][0].get("text", "")
+        if call.route == "messages":
+            return "".join(b.get("text", "") for b in resp.get("content", []) if isinstance(b, dict))
+        if call.route == "responses":
+            return str(resp.get("output_text") or resp.get("output") or "")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        pass
+    return call.error or ""
