@@ -145,7 +145,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections)
+        store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections,
+                      wait_replicas=settings.wait_replicas, wait_timeout_ms=settings.wait_timeout_ms)
         # aiohttp's pool costs a fraction of httpx's per call at high concurrency (bench/gateway.py). Idle
         # connections are dropped after 2 s, under the engine's own keep-alive (uvicorn, vLLM: 5 s), so a
         # connection the engine is closing is never reused. Only the TCP connect has its own bound (10 s: a
