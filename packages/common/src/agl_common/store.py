@@ -365,6 +365,7 @@ class Store:
         """EVALSHA then WAIT, pipelined on one connection (WAIT counts the writes of its own connection)."""
         sha = self._record_script.sha
         if self.cluster:  # the WAIT goes to the node that owns the rollout's slot, in the same batch
+            await self.r.initialize()  # the slot map (a no-op once loaded)
             node = self.r.get_node_from_key(keys[0])
             pipe = self.r.pipeline()
             pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
