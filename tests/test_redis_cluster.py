@@ -233,6 +233,8 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
         acked: Counter = Counter()
         answers: Counter = Counter()
         retried: set[str] = set()
+        acked_at: dict[str, tuple[float, int]] = {}
+        t_cut = t_kill = float("inf")
         done = asyncio.Event()
         rng = random.Random(wait_replicas)
 
@@ -254,6 +256,7 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
                     answers[r.status_code] += 1
                     if r.status_code == 200:
                         acked[marker] += 1
+                        acked_at[marker] = (time.monotonic(), i)
                         break
                     retried.add(marker)
                     await asyncio.sleep(0.1)
@@ -270,6 +273,7 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
             # cut the replica off: the master refuses its resync, keeps serving (and acknowledging) writes
             redis.Redis(port=victim).execute_command("ACL", "SETUSER", "default", "-psync", "-sync")
             redis.Redis(port=replica).execute_command("CLIENT", "KILL", "TYPE", "master")
+            t_cut = time.monotonic()
             await asyncio.sleep(1.0)
             lc.kill(victim)
             t_kill = time.monotonic()
@@ -285,7 +289,16 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
         # a call answered 503 (e.g. not replicated in time) may still have been written, and its retry records
         # it again; a call answered once is recorded once (the write token absorbs redis-py's own retries)
         duplicated = [m for m, v in ok.items() if v > 1 and m not in retried]
-        return {"wait_replicas": wait_replicas, "acknowledged": len(acked), "lost": len(lost),
+        def phase(m: str) -> str:
+            t, i = acked_at[m]
+            node = "victim" if i in on_victim else "other"
+            return f"{node}:" + ("before cut" if t < t_cut else "cut-off" if t < t_kill else "after kill")
+        probe = Store(lc.url, prefix)
+        await probe.r.initialize()
+        on_victim = {i for i in range(24) if probe.r.get_node_from_key(probe.rollout_key("calls", f"F{i}")).port
+                     in (victim, new_master)}
+        await probe.close()
+        return {"wait_replicas": wait_replicas, "lost_when": dict(Counter(phase(m) for m in lost)), "acknowledged": len(acked), "lost": len(lost),
                 "duplicated": len(duplicated), "records": len(records), "answers": dict(answers),
                 "victim": victim, "new_master": new_master, "promotion_s": round(t_promoted - t_kill, 2)}
 

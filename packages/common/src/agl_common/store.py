@@ -36,6 +36,7 @@ A store object is passed to whoever needs it; nothing is kept in module-level st
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -44,9 +45,20 @@ from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import NoScriptError, RedisError, WatchError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    SlotNotCoveredError,
+    TimeoutError as RedisTimeoutError,
+    TryAgainError,
+    WatchError,
+)
 from redis.retry import Retry
 
 from .schemas import (
@@ -66,16 +78,24 @@ REPLICA_TTL_S = 5
 COMPLETED_MAXLEN = 1_000_000
 #: Version of the key layout above. 1: untagged keys (``P calls:rid``, ``P queue``); 2: hash-tagged keys.
 LAYOUT_VERSION = 2
+#: Tries of a recorded call that waits for replicas on a cluster (~15 s with the backoff: a failover's length).
+RECORD_RETRIES = 40
+RETRYABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError, MovedError, AskError,
+             TryAgainError)
 #: URL schemes that select redis-py's cluster client (``redis+cluster://host:port[,host:port...]``).
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 #: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
 #: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
-#: own), and the write's token. A token seen before returns its ``seq`` without writing: a client that
-#: retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records once.
+#: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
+#: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
+#: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
-if done then return tonumber(done) end
+if done then
+  redis.call('HSET', KEYS[3], ARGV[2], done)
+  return tonumber(done)
+end
 local seq = redis.call('INCR', KEYS[1]) - 1
 local body = string.gsub(ARGV[1], '"seq":%-1', '"seq":' .. seq, 1)
 redis.call('XADD', KEYS[2], '*', 'd', body)
@@ -98,6 +118,22 @@ class NotReplicated(RedisError):
     A :class:`redis.exceptions.RedisError`, so callers treat it as "store unavailable": the write is not
     acknowledged (it may still survive, or be lost in a failover).
     """
+
+
+class _RedisCluster(RedisCluster):
+    """redis-py's asyncio cluster client with one of its races reported as what it is, a connection error.
+
+    During a failover, redis-py (8.1) closes a node's connections from one command's error path while another
+    command is connecting on one of them; that command then fails with ``AttributeError: 'NoneType' object
+    has no attribute 'writelines'`` (seen in tests/test_redis_cluster.py's failover test). Callers handle
+    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not that.
+    """
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except AttributeError as exc:
+            raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
 
 
 def is_cluster_url(url: str) -> bool:
@@ -138,7 +174,7 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     # Failover: a replica is promoted after ``cluster-node-timeout`` (15 s by default); retry connection errors
     # with a short capped backoff for about that long instead of redis-py's default 3 tries.
     retries = int(opts.get("retries", 40))
-    return RedisCluster(
+    return _RedisCluster(
         startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None,
         ssl=CLUSTER_SCHEMES[parts.scheme] == "rediss", max_connections=max_connections,
         socket_connect_timeout=1, socket_timeout=10,
@@ -354,34 +390,66 @@ class Store:
         args = [record_json, uuid.uuid4().hex]
         if not self.wait_replicas:
             return int(await self._record_script(keys=keys, args=args))
-        for _ in range(2):  # a node that does not know the script yet: load it and go again (same token)
-            try:
-                return await self._record_and_wait(keys, args)
-            except NoScriptError:
-                await self.r.script_load(_RECORD_CALL)
-        return await self._record_and_wait(keys, args)
+        if not self.cluster:
+            # One connection: redis-py re-sends the whole pipeline on a new connection after a connection
+            # error; a write already done is then re-stamped by the script, so the WAIT still covers it.
+            for _ in range(2):  # a server that does not know the script yet: load it and go again
+                pipe = self.r.pipeline(transaction=False)
+                pipe.evalsha(self._record_script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                try:
+                    seq, acked = await pipe.execute()
+                    break
+                except NoScriptError:
+                    await self.r.script_load(_RECORD_CALL)
+            return self._replicated(seq, acked, keys[1])
+        return await self._record_and_wait_cluster(keys, args)
 
-    async def _record_and_wait(self, keys: list[str], args: list) -> int:
-        """EVALSHA then WAIT, pipelined on one connection (WAIT counts the writes of its own connection)."""
-        sha = self._record_script.sha
-        if self.cluster:  # the WAIT goes to the node that owns the rollout's slot, in the same batch
-            await self.r.initialize()  # the slot map (a no-op once loaded)
-            node = self.r.get_node_from_key(keys[0])
-            pipe = self.r.pipeline()
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, target_nodes=node)
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.evalsha(sha, len(keys), *keys, *args)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-        seq, acked = await pipe.execute()  # execute() resets the pipeline and returns its connection
-        # On a cluster a slot that moved during the call sends the write elsewhere than the WAIT: not proven.
-        if self.cluster and self.r.get_node_from_key(keys[0]).name != node.name:
-            raise NotReplicated(f"slot of {keys[0]} moved during the write; replication not confirmed")
+    def _replicated(self, seq: Any, acked: Any, what: str) -> int:
         if int(acked) < self.wait_replicas:
-            raise NotReplicated(f"{acked} of {self.wait_replicas} replicas acknowledged the record of {keys[1]} "
+            raise NotReplicated(f"{acked} of {self.wait_replicas} replicas acknowledged the record of {what} "
                                 f"within {self.wait_timeout_ms} ms")
         return int(seq)
+
+    async def _record_and_wait_cluster(self, keys: list[str], args: list) -> int:
+        """EVALSHA + WAIT pipelined on one connection to the master of the rollout's slot (WAIT counts the
+        writes of its own connection; redis-py's cluster pipeline may re-route a retried WAIT elsewhere).
+
+        On a connection error, a redirect (MOVED/ASK), CLUSTERDOWN or TRYAGAIN (a failover in progress) the
+        pair is sent again, up to :data:`RECORD_RETRIES` times with a capped backoff, after reloading the
+        slot map: the write token makes the script idempotent, and a repeated token re-stamps the record so
+        that the WAIT on the new connection covers it.
+        """
+        cmds = [("EVALSHA", self._record_script.sha, len(keys), *keys, *args),
+                ("WAIT", self.wait_replicas, self.wait_timeout_ms)]
+        last: Exception | None = None
+        for attempt in range(RECORD_RETRIES):
+            if attempt:
+                await asyncio.sleep(min(0.5, 0.05 * 2 ** attempt))
+            try:
+                await self.r.initialize()  # the slot map (a no-op unless a failure asked for a reload)
+                node = self.r.get_node_from_key(keys[0])
+            except RETRYABLE as exc:
+                last = exc
+                continue
+            batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
+            try:
+                await node.execute_pipeline(batch)
+            except (*RETRYABLE, AttributeError) as exc:  # the send failed (node down; see _RedisCluster)
+                batch[0].result = batch[1].result = RedisConnectionError(str(exc))
+            seq, acked = batch[0].result, batch[1].result
+            if isinstance(seq, NoScriptError):
+                await node.execute_command("SCRIPT", "LOAD", _RECORD_CALL)
+                last = seq
+                continue
+            err = next((r for r in (seq, acked) if isinstance(r, Exception)), None)
+            if err is None:
+                return self._replicated(seq, acked, keys[1])
+            if not isinstance(err, RETRYABLE):
+                raise err
+            last = err
+            self.r._initialize = True  # reload the slot map before the next try (what redis-py does)
+        raise last if last is not None else NotReplicated(f"record of {keys[1]} not written")
 
     async def count_calls(self, rollout_id: str, attempt_id: str) -> int:
         raw = await self.r.get(self.rollout_key("seq", rollout_id, attempt_id))
