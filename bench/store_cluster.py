@@ -13,6 +13,9 @@ and 1 and 2 gateway processes (``python -m agl_gateway serve --open``, chat rout
   p50 / p99 of the difference in ms;
 * calls/s: ``--clients`` concurrent clients spread over the gateway processes for ``--duration`` s.
 
+Also the CPU each call costs, which other jobs on the machine disturb far less than wall-clock figures:
+gateway CPU-ms per call (all gateway processes) and Redis CPU-ms per call (every ``redis-server`` of the
+setting: one, or the six cluster nodes, replicas included), over the whole measurement.
 Rounds (``--rounds``) repeat every setting in turn, so drift in the machine's load hits all of them alike;
 the table shows the median over rounds. The 1-minute load average is printed before and after. At the
 end every gateway call answered 200 is checked to be in its rollout's stream.
@@ -37,6 +40,7 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import psutil
 import redis
 import redis.cluster
 
@@ -44,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gateway import free_port, pct, stop, wait_http  # noqa: E402  (bench/gateway.py helpers)
+from gateway import cpu_s, free_port, pct, stop, wait_http  # noqa: E402  (bench/gateway.py helpers)
 from local_redis_cluster import LocalCluster  # noqa: E402
 
 BODY = (b'{"model":"bench-model","max_tokens":32,"messages":[{"role":"system","content":"You are a careful '
@@ -142,10 +146,10 @@ def records(url: str, prefix: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--pairs", type=int, default=200, help="paired direct/gateway calls for the added latency")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=150, help="paired direct/gateway calls for the added latency")
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--duration", type=float, default=4.0, help="seconds of the calls/s phase")
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds of the calls/s phase")
     ap.add_argument("--rollouts", type=int, default=256)
     ap.add_argument("--settings", default="redis,cluster,cluster+wait1")
     ap.add_argument("--gateways", default="1,2")
@@ -158,6 +162,8 @@ def main() -> None:
     single, single_url = start_redis(tmp)
     cluster = LocalCluster().start()
     urls = {"redis": (single_url, 0), "cluster": (cluster.url, 0), "cluster+wait1": (cluster.url, 1)}
+    cluster_pids = [p.pid for p in cluster.procs.values()]
+    redis_pids = {"redis": [single.pid], "cluster": cluster_pids, "cluster+wait1": cluster_pids}
     rids = [f"b{k}" for k in range(a.rollouts)]
     results: dict[tuple[str, int], list[dict]] = {}
     load0 = os.getloadavg()
@@ -169,15 +175,21 @@ def main() -> None:
                     url, wait = urls[setting]
                     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
                     gws = start_gateways(n, up_url, url, prefix, wait)
+                    watched = {"gw": [psutil.Process(p.pid) for p, _ in gws],
+                               "redis": [psutil.Process(pid) for pid in redis_pids[setting]]}
+                    cpu0 = {k: sum(cpu_s(p) for p in ps) for k, ps in watched.items()}
                     try:
                         res = asyncio.run(measure(up_url, [u for _, u in gws], rids, a.pairs, a.clients, a.duration))
+                        for k, ps in watched.items():
+                            res[f"{k}_cpu_ms"] = (sum(cpu_s(p) for p in ps) - cpu0[k]) * 1000 / res["calls"]
                     finally:
                         for proc, _ in gws:
                             stop(proc)
                     res["stored"] = records(url, prefix)
                     results.setdefault((setting, n), []).append(res)
                     print(f"round {rnd + 1} {setting:14s} {n} gw: {res['calls_s']:7.1f} calls/s, added p50 "
-                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, errors {res['errors']}, "
+                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, gw CPU {res['gw_cpu_ms']:.2f} ms/call, "
+                          f"Redis CPU {res['redis_cpu_ms']:.3f} ms/call, errors {res['errors']}, "
                           f"stored {res['stored']}/{res['calls']}", flush=True)
     finally:
         cluster.stop()
@@ -186,12 +198,14 @@ def main() -> None:
     load1 = os.getloadavg()
     print(f"\nload average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}; {os.cpu_count()} CPUs; "
           f"{a.clients} clients for calls/s, {a.pairs} pairs for added latency; median of {a.rounds} round(s)\n")
-    print("| store | gateways | calls/s | added p50 ms | added p99 ms | errors | stored/answered |")
-    print("|---|---|---|---|---|---|---|")
+    print("| store | gateways | calls/s | added p50 ms | added p99 ms | gw CPU ms/call | Redis CPU ms/call | errors "
+          "| stored/answered |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (setting, n), rs in results.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("calls_s", "p50", "p99")}
+        med = {k: statistics.median(r[k] for r in rs) for k in ("calls_s", "p50", "p99", "gw_cpu_ms", "redis_cpu_ms")}
         print(f"| {setting} | {n} | {med['calls_s']:.0f} | {med['p50']:.2f} | {med['p99']:.2f} | "
-              f"{sum(r['errors'] for r in rs)} | {sum(r['stored'] for r in rs)}/{sum(r['calls'] for r in rs)} |")
+              f"{med['gw_cpu_ms']:.2f} | {med['redis_cpu_ms']:.3f} | {sum(r['errors'] for r in rs)} | "
+              f"{sum(r['stored'] for r in rs)}/{sum(r['calls'] for r in rs)} |")
 
 
 if __name__ == "__main__":

@@ -135,8 +135,7 @@ async def test_every_store_operation_on_the_cluster(cluster_store, redis_cluster
     await s.commit_trained("trainer:t", ["g0"], [got[0][0]])
     assert await s.trained(["g0", "g1"]) == [True, False]
     # control: state in a transaction, message over cluster pub/sub (subscriber and publisher on any node)
-    ps = s.r.pubsub()
-    await ps.subscribe(s.key("control"))
+    ps = await s.subscribe_control()
     await s.publish_control(ControlCommand(cmd="resume", id="x", model="m2", version=3))
     assert (await s.get_policy()).version == 3 and (await s.last_control()).id == "x"
     deadline = time.monotonic() + 5

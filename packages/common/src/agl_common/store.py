@@ -78,7 +78,7 @@ REPLICA_TTL_S = 5
 COMPLETED_MAXLEN = 1_000_000
 #: Version of the key layout above. 1: untagged keys (``P calls:rid``, ``P queue``); 2: hash-tagged keys.
 LAYOUT_VERSION = 2
-#: Tries of a recorded call that waits for replicas on a cluster (~15 s with the backoff: a failover's length).
+#: Tries of a recorded call that waits for replicas on a cluster (~20 s with the backoff: longer than a failover).
 RECORD_RETRIES = 40
 RETRYABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError, MovedError, AskError,
              TryAgainError)
@@ -494,6 +494,22 @@ class Store:
         # After the transaction, not in it (a cluster transaction holds one slot's keys; PUBLISH has none):
         # a replica that misses the message reads ``control:last`` when it (re)subscribes.
         await self.r.publish(self.key("control"), body)
+
+    async def subscribe_control(self) -> aioredis.client.PubSub:
+        """A pub/sub connection subscribed to ``P {E}:control`` (close it with ``aclose()``).
+
+        On a cluster the channel is served by any node (PUBLISH reaches every node); the slot map is loaded
+        first (redis-py's cluster pub/sub needs it). Raises Redis connection errors.
+        """
+        if self.cluster:
+            await self.r.initialize()
+        pubsub = self.r.pubsub()
+        try:
+            await pubsub.subscribe(self.key("control"))
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
 
     async def last_control(self) -> ControlCommand | None:
         raw = await self.r.get(self.key("control:last"))

@@ -219,9 +219,9 @@ async def _sync_from_store(st: GatewayState) -> None:
 async def _control_loop(st: GatewayState) -> None:
     """Listen on the control channel; on (re)connect, re-read the stored state first."""
     while True:
-        pubsub = st.store.r.pubsub()
+        pubsub = None
         try:
-            await pubsub.subscribe(st.store.key("control"))
+            pubsub = await st.store.subscribe_control()
             await _sync_from_store(st)
             async for message in pubsub.listen():
                 if message.get("type") != "message":
@@ -236,8 +236,9 @@ async def _control_loop(st: GatewayState) -> None:
             log.warning("control channel lost (%s); reconnecting", exc)
             await asyncio.sleep(0.5)
         finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
