@@ -11,7 +11,9 @@ and 1 and 2 gateway processes (``python -m agl_gateway serve --open``, chat rout
 
 * added latency: one client alternating a direct upstream call and a gateway call (paired, same noise),
   p50 / p99 of the difference in ms;
-* calls/s: ``--clients`` concurrent clients spread over the gateway processes for ``--duration`` s.
+* calls/s: ``--clients`` concurrent clients spread over the gateway processes for ``--duration`` s;
+* record ms: the mean time a gateway spent writing a record (its ``agl_gateway_record_seconds``), which
+  is where waiting for a replica shows.
 
 Also the CPU each call costs, which other jobs on the machine disturb far less than wall-clock figures:
 gateway CPU-ms per call (all gateway processes) and Redis CPU-ms per call (every ``redis-server`` of the
@@ -31,11 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -82,6 +87,30 @@ def start_gateways(n: int, up_url: str, redis_url: str, prefix: str, wait: int) 
     for proc, url in out:
         wait_http(url + "/healthz", proc, 60)
     return out
+
+
+def record_ms(gw_urls: list[str]) -> float:
+    """Mean time the gateways spent writing a record (their ``agl_gateway_record_seconds`` histogram), ms."""
+    total = count = 0.0
+    for url in gw_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("agl_gateway_record_seconds_sum"):
+                    total += float(line.split()[-1])
+                elif line.startswith("agl_gateway_record_seconds_count"):
+                    count += float(line.split()[-1])
+    return total / count * 1000 if count else float("nan")
+
+
+def settle(procs: list[psutil.Process], limit_s: float = 30.0) -> None:
+    """Until the gateways are idle (< 5% CPU over 0.5 s): their start-up work (LiteLLM's import, in a
+    thread after they answer) would otherwise be counted as the calls' CPU."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = [cpu_s(p) for p in procs]
+        time.sleep(0.5)
+        if all(cpu_s(p) - b < 0.025 for p, b in zip(procs, before)):
+            return
 
 
 async def post(session: aiohttp.ClientSession, url: str) -> int:
@@ -154,6 +183,7 @@ def main() -> None:
     ap.add_argument("--settings", default="redis,cluster,cluster+wait1")
     ap.add_argument("--gateways", default="1,2")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers below are stopped
     tmp = Path(tempfile.mkdtemp(prefix="agl-bench-store-"))
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port)],
@@ -177,33 +207,38 @@ def main() -> None:
                     gws = start_gateways(n, up_url, url, prefix, wait)
                     watched = {"gw": [psutil.Process(p.pid) for p, _ in gws],
                                "redis": [psutil.Process(pid) for pid in redis_pids[setting]]}
+                    settle(watched["gw"])
                     cpu0 = {k: sum(cpu_s(p) for p in ps) for k, ps in watched.items()}
                     try:
                         res = asyncio.run(measure(up_url, [u for _, u in gws], rids, a.pairs, a.clients, a.duration))
                         for k, ps in watched.items():
                             res[f"{k}_cpu_ms"] = (sum(cpu_s(p) for p in ps) - cpu0[k]) * 1000 / res["calls"]
+                        res["record_ms"] = record_ms([u for _, u in gws])
                     finally:
                         for proc, _ in gws:
                             stop(proc)
                     res["stored"] = records(url, prefix)
                     results.setdefault((setting, n), []).append(res)
                     print(f"round {rnd + 1} {setting:14s} {n} gw: {res['calls_s']:7.1f} calls/s, added p50 "
-                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, gw CPU {res['gw_cpu_ms']:.2f} ms/call, "
+                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, record {res['record_ms']:.2f} ms, gw CPU {res['gw_cpu_ms']:.2f} ms/call, "
                           f"Redis CPU {res['redis_cpu_ms']:.3f} ms/call, errors {res['errors']}, "
                           f"stored {res['stored']}/{res['calls']}", flush=True)
     finally:
         cluster.stop()
         stop(single)
         stop(upstream)
+        shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()
     print(f"\nload average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}; {os.cpu_count()} CPUs; "
           f"{a.clients} clients for calls/s, {a.pairs} pairs for added latency; median of {a.rounds} round(s)\n")
-    print("| store | gateways | calls/s | added p50 ms | added p99 ms | gw CPU ms/call | Redis CPU ms/call | errors "
-          "| stored/answered |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| store | gateways | calls/s | added p50 ms | added p99 ms | record ms (mean) | gw CPU ms/call "
+          "| Redis CPU ms/call | errors | stored/answered |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (setting, n), rs in results.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("calls_s", "p50", "p99", "gw_cpu_ms", "redis_cpu_ms")}
+        med = {k: statistics.median(r[k] for r in rs) for k in ("calls_s", "p50", "p99", "record_ms", "gw_cpu_ms",
+                                                            "redis_cpu_ms")}
         print(f"| {setting} | {n} | {med['calls_s']:.0f} | {med['p50']:.2f} | {med['p99']:.2f} | "
+              f"{med['record_ms']:.2f} | "
               f"{med['gw_cpu_ms']:.2f} | {med['redis_cpu_ms']:.3f} | {sum(r['errors'] for r in rs)} | "
               f"{sum(r['stored'] for r in rs)}/{sum(r['calls'] for r in rs)} |")
 
