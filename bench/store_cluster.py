@@ -13,7 +13,9 @@ and 1 and 2 gateway processes (``python -m agl_gateway serve --open``, chat rout
   p50 / p99 of the difference in ms;
 * calls/s: ``--clients`` concurrent clients spread over the gateway processes for ``--duration`` s;
 * record ms: the mean time a gateway spent writing a record (its ``agl_gateway_record_seconds``), which
-  is where waiting for a replica shows.
+  is where waiting for a replica shows;
+* one record without a gateway: ``--store-calls`` sequential ``Store.record_call_json`` calls from the
+  bench process itself (a 3 KB record), p50 / p99: the store's own cost per call, WAIT included.
 
 Also the CPU each call costs, which other jobs on the machine disturb far less than wall-clock figures:
 gateway CPU-ms per call (all gateway processes) and Redis CPU-ms per call (every ``redis-server`` of the
@@ -102,6 +104,28 @@ def record_ms(gw_urls: list[str]) -> float:
     return total / count * 1000 if count else float("nan")
 
 
+async def store_latency(url: str, prefix: str, wait: int, n: int) -> dict:
+    """``n`` sequential :meth:`Store.record_call_json` calls from this process (no gateway, no HTTP): what one
+    record costs in Redis round trips, the WAIT for a replica included. p50 / p99 in ms."""
+    from agl_common.schemas import CallRecord
+    from agl_common.store import Store
+
+    store = Store(url, prefix, wait_replicas=wait, wait_timeout_ms=1000)
+    body = CallRecord(rollout_id="-", attempt_id="0", seq=-1, route="chat", request={"q": "x" * 2000},
+                      response={"a": "y" * 500}, prompt_token_ids=list(range(256)),
+                      response_token_ids=list(range(32)), response_logprobs=[-0.5] * 32).model_dump_json().encode()
+    lat = []
+    try:
+        for k in range(n + 50):
+            t = time.perf_counter()
+            await store.record_call_json(f"s{k % 64}", "0", body)
+            if k >= 50:  # after the warm-up (connections, script load, slot map)
+                lat.append((time.perf_counter() - t) * 1000)
+    finally:
+        await store.close()
+    return {"store_p50": pct(lat, 50), "store_p99": pct(lat, 99)}
+
+
 def settle(procs: list[psutil.Process], limit_s: float = 30.0) -> None:
     """Until the gateways are idle (< 5% CPU over 0.5 s): their start-up work (LiteLLM's import, in a
     thread after they answer) would otherwise be counted as the calls' CPU."""
@@ -180,6 +204,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=3.0, help="seconds of the calls/s phase")
     ap.add_argument("--rollouts", type=int, default=256)
+    ap.add_argument("--store-calls", type=int, default=1000, help="sequential records timed without a gateway")
     ap.add_argument("--settings", default="redis,cluster,cluster+wait1")
     ap.add_argument("--gateways", default="1,2")
     a = ap.parse_args()
@@ -217,11 +242,16 @@ def main() -> None:
                     finally:
                         for proc, _ in gws:
                             stop(proc)
+                    if n == 1:  # once per setting and round: it does not depend on the gateways
+                        res.update(asyncio.run(store_latency(url, prefix, wait, a.store_calls)))
+                        res["calls"] += a.store_calls + 50
                     res["stored"] = records(url, prefix)
                     results.setdefault((setting, n), []).append(res)
                     print(f"round {rnd + 1} {setting:14s} {n} gw: {res['calls_s']:7.1f} calls/s, added p50 "
-                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, record {res['record_ms']:.2f} ms, gw CPU {res['gw_cpu_ms']:.2f} ms/call, "
+                          f"{res['p50']:.2f} ms p99 {res['p99']:.2f} ms, record {res['record_ms']:.2f} ms, "
+                          f"gw CPU {res['gw_cpu_ms']:.2f} ms/call, "
                           f"Redis CPU {res['redis_cpu_ms']:.3f} ms/call, errors {res['errors']}, "
+                          f"store alone p50 {res.get('store_p50', float('nan')):.3f} ms, "
                           f"stored {res['stored']}/{res['calls']}", flush=True)
     finally:
         cluster.stop()
@@ -241,6 +271,12 @@ def main() -> None:
               f"{med['record_ms']:.2f} | "
               f"{med['gw_cpu_ms']:.2f} | {med['redis_cpu_ms']:.3f} | {sum(r['errors'] for r in rs)} | "
               f"{sum(r['stored'] for r in rs)}/{sum(r['calls'] for r in rs)} |")
+    print("\n| store | one record, no gateway: p50 ms | p99 ms |")
+    print("|---|---|---|")
+    for (setting, n), rs in results.items():
+        if n == 1:
+            print(f"| {setting} | {statistics.median(r['store_p50'] for r in rs):.3f} | "
+                  f"{statistics.median(r['store_p99'] for r in rs):.3f} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import pytest
 import redis
 from agl_common.schemas import CallRecord, ControlCommand, ReplicaStatus, Rollout, RolloutStatus
 from agl_common.store import LAYOUT_VERSION, LayoutError, NotReplicated, Store, connect
-from test_reliability import GatewayProc, Upstream, load_with_pause_resume, markers_in, sync_client
+from test_reliability import GatewayProc, Upstream, chat, load_with_pause_resume, markers_in, sync_client
 
 from fakes import Served, fake_upstream
 
@@ -82,7 +82,8 @@ async def test_a_retried_write_is_recorded_once(store):
     """The record script keys each write by a token: redis-py retrying after a lost reply adds nothing."""
     rec = CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={}, response={})
     body = rec.model_dump_json().encode()
-    keys = [store.rollout_key("seq", "r1", "0"), store.rollout_key("calls", "r1"), store.rollout_key("tokens", "r1", "0")]
+    keys = [store.rollout_key("seq", "r1", "0"), store.rollout_key("calls", "r1"),
+            store.rollout_key("tokens", "r1", "0")]
     first = await store._record_script(keys=keys, args=[body, "tok-1"])
     again = await store._record_script(keys=keys, args=[body, "tok-1"])
     other = await store._record_script(keys=keys, args=[body, "tok-2"])
@@ -224,8 +225,8 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
     prefix = f"fo{wait_replicas}:"
     with LocalCluster() as lc:
         env = {"AGL_WAIT_REPLICAS": str(wait_replicas), "AGL_WAIT_TIMEOUT_MS": "300"}
-        gws = [GatewayProc(upstream.url, lc.url, prefix, f"fo{wait_replicas}-{k}", tmp_path / f"fo{wait_replicas}-{k}.log",
-                           extra=["--open"], env=env) for k in range(2)]
+        gws = [GatewayProc(upstream.url, lc.url, prefix, f"fo{wait_replicas}-{k}",
+                           tmp_path / f"fo{wait_replicas}-{k}.log", extra=["--open"], env=env) for k in range(2)]
         procs += gws
         for g in gws:
             g.start()
@@ -245,8 +246,7 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
                 for _ in range(200):  # until answered: 503 while the slot has no master / no replica yet
                     try:
                         r = await c.post(f"{gws[i % 2].url}/rollouts/F{i}/attempts/0/v1/chat/completions",
-                                         json={"model": "agent-model", "messages": [{"role": "user", "content": marker}],
-                                               "x_delay": 0})
+                                         json=chat(marker))
                     except httpx.TransportError:
                         answers["transport error"] += 1
                         retried.add(marker)
@@ -288,6 +288,7 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
         # a call answered 503 (e.g. not replicated in time) may still have been written, and its retry records
         # it again; a call answered once is recorded once (the write token absorbs redis-py's own retries)
         duplicated = [m for m, v in ok.items() if v > 1 and m not in retried]
+
         def phase(m: str) -> str:
             t, i = acked_at[m]
             node = "victim" if i in on_victim else "other"
@@ -297,7 +298,8 @@ async def _failover_run(wait_replicas: int, upstream, procs, tmp_path) -> dict:
         on_victim = {i for i in range(24) if probe.r.get_node_from_key(probe.rollout_key("calls", f"F{i}")).port
                      in (victim, new_master)}
         await probe.close()
-        return {"wait_replicas": wait_replicas, "lost_when": dict(Counter(phase(m) for m in lost)), "acknowledged": len(acked), "lost": len(lost),
+        return {"wait_replicas": wait_replicas, "lost_when": dict(Counter(phase(m) for m in lost)),
+                "acknowledged": len(acked), "lost": len(lost),
                 "duplicated": len(duplicated), "records": len(records), "answers": dict(answers),
                 "victim": victim, "new_master": new_master, "promotion_s": round(t_promoted - t_kill, 2)}
 
