@@ -59,6 +59,14 @@ def test_bad_prefix_and_cluster_url_are_refused():
         Store("redis://127.0.0.1:1/0", "p:", wait_replicas=-1)
 
 
+def test_cluster_url_names_its_seed_nodes_and_credentials():
+    c = connect("redis+cluster://u:p%40ss@h1:7000,[::1]:7001,h3/?retries=5")  # nothing is contacted yet
+    assert list(c.nodes_manager.startup_nodes) == ["h1:7000", "::1:7001", "h3:6379"]
+    assert (c.connection_kwargs["username"], c.connection_kwargs["password"]) == ("u", "p@ss")
+    assert c.retry.get_retries() == 5
+    assert not Store("redis://127.0.0.1:1/0", "p:").cluster and Store("rediss+cluster://h:1", "p:").cluster
+
+
 async def test_old_layout_is_refused_not_mixed(redis_url, prefix):
     r = redis.Redis.from_url(redis_url)
     r.lpush(prefix + "queue", "old-rollout")  # layout 1: untagged ``P queue``
