@@ -329,3 +329,5 @@ async def test_failover_loses_acknowledged_records_only_without_wait(upstream, p
     assert waited["lost"] == 0 and waited["acknowledged"] > 0
     assert no_wait["lost"] > 0  # asynchronous replication: what the master acknowledged alone died with it
     assert no_wait["duplicated"] == waited["duplicated"] == 0
+    # while the master is gone the gateway answers 503 (retry) at worst, never 500
+    assert set(no_wait["answers"]) | set(waited["answers"]) <= {200, 503, "transport error"}

@@ -120,19 +120,24 @@ class NotReplicated(RedisError):
     """
 
 
+#: What redis-py (8.1) raises when its cluster client closes a connection another command is using.
+_CLOSED_UNDER_US = (AttributeError, RuntimeError)
+
+
 class _RedisCluster(RedisCluster):
     """redis-py's asyncio cluster client with one of its races reported as what it is, a connection error.
 
     During a failover, redis-py (8.1) closes a node's connections from one command's error path while another
-    command is connecting on one of them; that command then fails with ``AttributeError: 'NoneType' object
-    has no attribute 'writelines'`` (seen in tests/test_redis_cluster.py's failover test). Callers handle
-    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not that.
+    command is using one of them; that command then fails with ``AttributeError: 'NoneType' object has no
+    attribute 'writelines'`` or ``RuntimeError: unable to perform operation on <TCPTransport closed=True>``
+    (both seen in tests/test_redis_cluster.py's failover test). Callers handle
+    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not those.
     """
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute_command(*args, **kwargs)
-        except AttributeError as exc:
+        except _CLOSED_UNDER_US as exc:
             raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
 
 
@@ -435,7 +440,7 @@ class Store:
             batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
             try:
                 await node.execute_pipeline(batch)
-            except (*RETRYABLE, AttributeError) as exc:  # the send failed (node down; see _RedisCluster)
+            except (*RETRYABLE, *_CLOSED_UNDER_US) as exc:  # the send failed (node down; see _RedisCluster)
                 batch[0].result = batch[1].result = RedisConnectionError(str(exc))
             seq, acked = batch[0].result, batch[1].result
             if isinstance(seq, NoScriptError):
