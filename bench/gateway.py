@@ -509,11 +509,11 @@ class Bench:
     def check_durable(self) -> str:
         pipe = self.r.pipeline()
         for rid in self.rids:
-            pipe.xlen(self.prefix + f"calls:{rid}")
+            pipe.xlen(self.prefix + f"calls:{{{rid}}}")
         stored = sum(pipe.execute())
         bad = 0
         for rid in self.rids[:: max(1, len(self.rids) // 8)]:
-            for _, fields in self.r.xrange(self.prefix + f"calls:{rid}", count=20):
+            for _, fields in self.r.xrange(self.prefix + f"calls:{{{rid}}}", count=20):
                 rec = orjson.loads(fields[b"d"])
                 ok = (rec["status"] == "ok" and len(rec["prompt_token_ids"]) == self.args.prompt_tokens
                       and len(rec["response_token_ids"]) == self.args.completion_tokens

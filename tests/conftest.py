@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 
 REDIS_URL = os.environ.get("AGL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # local_redis_cluster
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +39,29 @@ async def store(redis_url, prefix):
 
     s = Store(redis_url, prefix)
     yield s
+    await s.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster (3 masters + 3 replicas on loopback, scripts/local_redis_cluster.py), started once
+    per session (~7 s) and removed at its end. Tests that kill nodes start their own instead."""
+    from local_redis_cluster import LocalCluster
+
+    with LocalCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def cluster_store(redis_cluster, prefix):
+    """A :class:`Store` on the session's Redis Cluster under a fresh prefix (its keys deleted afterwards)."""
+    from agl_common.store import Store
+
+    s = Store(redis_cluster.url, prefix)
+    yield s
+    keys = [k async for k in s.r.scan_iter(match=prefix + "*", count=1000)]
+    for k in keys:
+        await s.r.delete(k)
     await s.close()
 
 

@@ -154,7 +154,7 @@ def env(redis_url):
     prefix = f"test-bad-{uuid.uuid4().hex[:8]}:"
     r = redis.Redis.from_url(redis_url)
     for rid, attempt in (("r1", "0"), ("r2", "1")):
-        r.set(prefix + "rollout:" + rid, Rollout(rollout_id=rid, attempt_id=attempt,
+        r.set(prefix + "rollout:{" + rid + "}", Rollout(rollout_id=rid, attempt_id=attempt,
                                                  status=RolloutStatus.running).model_dump_json())
     up = Upstream()
     with Served(up.app) as ups:
@@ -405,7 +405,7 @@ def test_stream_cut_short_is_an_error_not_a_complete_answer(env, end):
         env.up.plan = None
     assert resp.status_code == 200 and "data: [DONE]" not in resp.text and '"error"' in resp.text
     settle(env, calls, records)
-    last = env.r.xrevrange(env.prefix + "calls:r1", count=1)[0][1][b"d"]
+    last = env.r.xrevrange(env.prefix + "calls:{r1}", count=1)[0][1][b"d"]
     assert CallRecord.model_validate_json(last).status == "error"
 
 
@@ -420,7 +420,7 @@ def test_missing_token_ids_are_recorded_without_tokens(env):
         env.up.plan = None
     assert resp.status_code == 200
     settle(env, calls, records)
-    rec = CallRecord.model_validate_json(env.r.xrevrange(env.prefix + "calls:r1", count=1)[0][1][b"d"])
+    rec = CallRecord.model_validate_json(env.r.xrevrange(env.prefix + "calls:{r1}", count=1)[0][1][b"d"])
     assert rec.response_token_ids == [] and rec.prompt_token_ids == [] and rec.response_logprobs is None
 
 
@@ -469,5 +469,5 @@ def test_reward_must_be_a_finite_number(env):
         resp = env.client.post(url, json={"value": value})
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (value, resp.text)
     assert env.client.post(url, json={"value": "0.25"}).status_code == 200
-    stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:r1"))
+    stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}"))
     assert stored.reward == 0.25

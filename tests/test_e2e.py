@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 from agl_common.schemas import RolloutStatus
+from agl_common.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -149,14 +150,14 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     pending: list[dict] = []
     deadline = time.monotonic() + 900
     while killed.poll() is None and time.monotonic() < deadline:
-        pending = r.xpending_range(prefix + "completed", group_name, "-", "+", 1000)
+        pending = r.xpending_range(Store(redis_url, prefix).key("completed"), group_name, "-", "+", 1000)
         if len(pending) >= settings["groups_per_step"] * settings["group_size"]:
             break
         time.sleep(0.05)
     killed.kill()
     killed.wait()
     assert pending, "the trainer finished step 2 before it could be killed mid-step"
-    entries = {e[0]: e[1] for e in r.xrange(prefix + "completed")}
+    entries = {e[0]: e[1] for e in r.xrange(Store(redis_url, prefix).key("completed"))}
     pending_groups = {entries[p["message_id"]]["gid"] for p in pending}
     deadline = time.monotonic() + 30  # its gateway and controller die with it (PR_SET_PDEATHSIG)
     while subprocess.run(["pgrep", "-f", "--", f"--prefix {prefix}"], capture_output=True).returncode == 0:
@@ -168,7 +169,7 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "step" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    trained = {g.decode() for g in redis.Redis.from_url(redis_url).smembers(prefix + "trained")}
+    trained = {g.decode() for g in redis.Redis.from_url(redis_url).smembers(Store(redis_url, prefix).key("trained"))}
     step_groups = steps[0]["groups"] + steps[1]["groups"]
     assert len(step_groups) == len(set(step_groups)) == len(trained) == 4 and set(step_groups) == trained
     in_flight = {g["group_id"] for g in json.loads((run_dir / "checkpoint" / "state.json").read_text())["active"]}

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import redis.cluster
 from agl_common.control import pause_and_drain, resume
 from agl_common.schemas import CallRecord
 from agl_common.store import Store
@@ -374,6 +375,20 @@ CALLS_PER_AGENT = 4
 
 
 async def test_load_with_pause_resume_every_second(redis_url, prefix, upstream, procs, tmp_path):
+    await load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path)
+
+
+def sync_client(url: str) -> redis.Redis | redis.cluster.RedisCluster:
+    """A synchronous client for checks: a :class:`redis.cluster.RedisCluster` for ``redis+cluster://`` URLs."""
+    if url.startswith("redis+cluster://"):
+        host, port = url.split("//", 1)[1].split(",")[0].rsplit(":", 1)
+        return redis.cluster.RedisCluster(host=host, port=int(port))
+    return redis.Redis.from_url(url)
+
+
+async def load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path, agents: int | None = None) -> None:
+    """(c), on the Redis at ``redis_url`` (one Redis or a cluster): see the module docstring."""
+    n_agents = agents or N_AGENTS
     gws = [GatewayProc(upstream.url, redis_url, prefix, f"gw-{k}", tmp_path / f"gw{k}.log", extra=["--open"])
            for k in range(2)]
     procs += gws
@@ -429,17 +444,17 @@ async def test_load_with_pause_resume_every_second(redis_url, prefix, upstream, 
 
     t0 = time.monotonic()
     # keep-alive shorter than the gateway's (uvicorn: 5 s), so a connection it is closing is never reused
-    limits = httpx.Limits(max_connections=N_AGENTS + 16, max_keepalive_connections=N_AGENTS + 16, keepalive_expiry=1)
+    limits = httpx.Limits(max_connections=n_agents + 16, max_keepalive_connections=n_agents + 16, keepalive_expiry=1)
     async with httpx.AsyncClient(timeout=120, limits=limits) as c:
         ctl = asyncio.create_task(control())
         try:
-            await asyncio.wait_for(asyncio.gather(*(agent(c, i) for i in range(N_AGENTS))), 150)
+            await asyncio.wait_for(asyncio.gather(*(agent(c, i) for i in range(n_agents))), 150)
         finally:
             done.set()
             await asyncio.wait_for(ctl, 60)
     elapsed = time.monotonic() - t0
-    total = N_AGENTS * CALLS_PER_AGENT
-    print(f"\n{N_AGENTS} agents x {CALLS_PER_AGENT} calls through 2 replicas in {elapsed:.1f} s, "
+    total = n_agents * CALLS_PER_AGENT
+    print(f"\n{n_agents} agents x {CALLS_PER_AGENT} calls through 2 replicas in {elapsed:.1f} s, "
           f"{len(cycles)} pause/resume cycles, drain ack after "
           f"{[round(cy['ack'] - cy['pause'], 3) for cy in cycles]} s; transport errors retried: {dict(transport_errors)}")
     assert results == Counter({200: total}), results
@@ -451,7 +466,7 @@ async def test_load_with_pause_resume_every_second(redis_url, prefix, upstream, 
     assert len(retried) <= 3, f"too many lost connections: {transport_errors}"
     # 0 lost, 0 duplicated: each rollout holds exactly its calls, seq 0..n-1, each marker once (a call the
     # agent itself retried after a lost connection may have been recorded by both tries)
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     ok, records = markers_in(r, prefix)
     assert len(ok) == total and all(v == 1 or (v == 2 and m in retried) for m, v in ok.items())
     assert len(records) == len(upstream.arrivals) == sum(ok.values())

@@ -76,7 +76,7 @@ def deployed(redis_url, tmp_path_factory):
     prefix = f"test-sec-{uuid.uuid4().hex[:8]}:"
     r = redis.Redis.from_url(redis_url)
     for rid, attempt in (("r1", "0"), ("r2", "0"), ("r3", "1")):
-        r.set(prefix + "rollout:" + rid, Rollout(rollout_id=rid, attempt_id=attempt,
+        r.set(prefix + "rollout:{" + rid + "}", Rollout(rollout_id=rid, attempt_id=attempt,
                                                  status=RolloutStatus.running).model_dump_json())
     up = RecordingUpstream()
     log = tmp_path_factory.mktemp("sec") / "gateway.log"
@@ -149,16 +149,16 @@ def test_scoped_key_reaches_only_its_own_rollout_attempt(deployed):
         # a key derived from another secret, and a scoped key of another rollout, are refused
         assert send(c, "POST", f"{gw.url}/rollouts/r1/attempts/0/reward", {}, {"value": 0},
                     scoped_key("other-secret", "r1", "0")).status_code == 401
-    assert r.get(prefix + "rollout:new-one") is None, "--open created a rollout for an invalid key"
-    assert Rollout.model_validate_json(r.get(prefix + "rollout:r2")).reward is None
-    assert r.xlen(prefix + "calls:r2") == 0 and r.xlen(prefix + "events:r2") == 0
+    assert r.get(prefix + "rollout:{new-one}") is None, "--open created a rollout for an invalid key"
+    assert Rollout.model_validate_json(r.get(prefix + "rollout:{r2}")).reward is None
+    assert r.xlen(prefix + "calls:{r2}") == 0 and r.xlen(prefix + "events:{r2}") == 0
     # the admin key may do anything, and --open creates rollouts for it
     with httpx.Client(timeout=30) as c:
         for method, url, headers, body in requests_for(gw.url, "r2", "0"):
             assert send(c, method, url, headers, body, ADMIN).status_code == 200
         resp = c.post(f"{gw.url}/rollouts/by-admin/attempts/0/v1/chat/completions",
                       json=BODIES["chat/completions"], headers=auth(ADMIN))
-        assert resp.status_code == 200 and r.get(prefix + "rollout:by-admin") is not None
+        assert resp.status_code == 200 and r.get(prefix + "rollout:{by-admin}") is not None
 
 
 def test_only_health_ready_and_metrics_answer_without_a_key(deployed):
@@ -209,7 +209,7 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
             dump += r.zrange(key, 0, -1)
         dump.append(key)
     stored = b"\n".join(dump)
-    assert b"calls:r1" in stored or r.xlen(prefix + "calls:r1") > 0
+    assert b"calls:{r1}" in stored or r.xlen(prefix + "calls:{r1}") > 0
     logs = log.read_bytes()
     assert logs, "the gateway wrote no log at all"
     for secret in secrets:
@@ -224,7 +224,7 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
 def test_request_and_header_sizes_are_bounded(deployed):
     gw, _, r, prefix, _ = deployed
     url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
-    n_calls = r.xlen(prefix + "calls:r1")
+    n_calls = r.xlen(prefix + "calls:{r1}")
     pad = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
     with httpx.Client(timeout=30) as c:
         resp = c.post(url, json=pad, headers=auth(ADMIN))
@@ -272,4 +272,4 @@ def test_request_and_header_sizes_are_bounded(deployed):
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Half: " + b"h" * 1000)
     assert httpx.get(gw.url + "/healthz", timeout=10).status_code == 200
-    assert r.xlen(prefix + "calls:r1") == n_calls + 2  # only the two accepted calls were recorded
+    assert r.xlen(prefix + "calls:{r1}") == n_calls + 2  # only the two accepted calls were recorded

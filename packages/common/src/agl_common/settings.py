@@ -6,6 +6,7 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -17,5 +18,6 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="AGL_", extra="ignore")
 
-    redis_url: str = DEFAULT_REDIS_URL
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, description=(
+        "Redis URL; redis+cluster://host:port[,host:port...] selects Redis Cluster"))
     prefix: str = DEFAULT_PREFIX

@@ -1,39 +1,65 @@
 """The Redis layout and every read and write of it (redis-py asyncio).
 
-Keys, all under a configurable prefix ``P`` (default ``agl:``):
+Keys, all under a configurable prefix ``P`` (default ``agl:``). Braces are literal: they are Redis Cluster
+*hash tags*, so every key of one rollout lives in one slot (``{rid}``) and every experiment-wide key in one slot
+of its own (``{E}``, the prefix without its trailing ``:``, so ``agl:{agl}:queue``). Each Lua script and each
+transaction below touches keys of a single tag; the same code runs on one Redis and on Redis Cluster
+(:func:`connect`). Layout version :data:`LAYOUT_VERSION` is stored in ``P {E}:layout``; a database written by an
+older layout is refused with :class:`LayoutError` (:meth:`Store.ensure_layout`).
 
-================================  ========  ==================================================
-key                               type      holds
-================================  ========  ==================================================
-``P rollout:{rid}``               string    the :class:`Rollout` as JSON
-``P rollouts``                    zset      rollout ids scored by creation time (Unix s)
-``P queue``                       list      rollout ids waiting for the controller
-``P calls:{rid}``                 stream    one entry per recorded model call, field ``d``
-``P seq:{rid}:{aid}``             string    call counter of one attempt (next ``seq``)
-``P events:{rid}``                stream    custom events posted by the agent
-``P policy``                      string    the :class:`Policy` new calls are routed to
-``P control``                     pub/sub   :class:`ControlCommand` messages
-``P control:last``                string    the last command, for replicas that missed it
-``P replica:{id}``                string    :class:`ReplicaStatus` heartbeat, expires after 5 s
-``P completed``                   stream    one entry per move to succeeded/failed (``rid``, ``gid``,
-                                            ``aid``), written in the same transaction as the status;
-                                            read by trainers through consumer groups
-``P trained``                     set       group ids a trainer has committed (trained at most once)
-``P groups:{tag}``                string    counter of the groups a trainer run created
-================================  ========  ==================================================
+==================================  ========  ================================================
+key                                 type      holds
+==================================  ========  ================================================
+``P rollout:{rid}``                 string    the :class:`Rollout` as JSON
+``P calls:{rid}``                   stream    one entry per recorded model call, field ``d``
+``P seq:{rid}:{aid}``               string    call counter of one attempt (next ``seq``)
+``P tokens:{rid}:{aid}``            hash      write token → ``seq`` of each recorded call (a retried write
+                                              of the same call is recognised, not recorded twice)
+``P events:{rid}``                  stream    custom events posted by the agent
+``P {E}:layout``                    string    the key layout's version (:data:`LAYOUT_VERSION`)
+``P {E}:rollouts``                  zset      rollout ids scored by creation time (Unix s)
+``P {E}:queue``                     list      rollout ids waiting for the controller
+``P {E}:policy``                    string    the :class:`Policy` new calls are routed to
+``P {E}:control``                   pub/sub   :class:`ControlCommand` messages
+``P {E}:control:last``              string    the last command, for replicas that missed it
+``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 5 s
+``P {E}:completed``                 stream    one entry per move to succeeded/failed (``rid``, ``gid``,
+                                              ``aid``), appended right after the status is written
+                                              (:meth:`Store.announce_completed`); read by trainers
+                                              through consumer groups
+``P {E}:trained``                   set       group ids a trainer has committed (trained at most once)
+``P {E}:groups:{tag}``              string    counter of the groups a trainer run created
+==================================  ========  ================================================
 
 A store object is passed to whoever needs it; nothing is kept in module-level state.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    SlotNotCoveredError,
+    TimeoutError as RedisTimeoutError,
+    TryAgainError,
+    WatchError,
+)
+from redis.retry import Retry
 
 from .schemas import (
     CallRecord,
@@ -50,13 +76,30 @@ from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 REPLICA_TTL_S = 5
 #: The ``completed`` stream is trimmed (approximately) to this many entries; a trainer must not lag further.
 COMPLETED_MAXLEN = 1_000_000
+#: Version of the key layout above. 1: untagged keys (``P calls:rid``, ``P queue``); 2: hash-tagged keys.
+LAYOUT_VERSION = 2
+#: Tries of a recorded call that waits for replicas on a cluster (~20 s with the backoff: longer than a failover).
+RECORD_RETRIES = 40
+RETRYABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError, MovedError, AskError,
+             TryAgainError)
+#: URL schemes that select redis-py's cluster client (``redis+cluster://host:port[,host:port...]``).
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
-#: KEYS: seq counter, calls stream; ARGV: the record JSON with ``"seq":-1`` (its third field, before any
-#: agent-controlled text, so the first match is always the record's own).
+#: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
+#: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
+#: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
+#: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
+#: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
 _RECORD_CALL = """
+local done = redis.call('HGET', KEYS[3], ARGV[2])
+if done then
+  redis.call('HSET', KEYS[3], ARGV[2], done)
+  return tonumber(done)
+end
 local seq = redis.call('INCR', KEYS[1]) - 1
 local body = string.gsub(ARGV[1], '"seq":%-1', '"seq":' .. seq, 1)
 redis.call('XADD', KEYS[2], '*', 'd', body)
+redis.call('HSET', KEYS[3], ARGV[2], seq)
 return seq
 """
 
@@ -65,29 +108,124 @@ class RolloutNotFound(KeyError):
     """No rollout with this id exists."""
 
 
+class LayoutError(RuntimeError):
+    """The database holds keys of another layout version under this prefix (see docs/operations.md)."""
+
+
+class NotReplicated(RedisError):
+    """A write was applied by the master but fewer than ``wait_replicas`` replicas acknowledged it in time.
+
+    A :class:`redis.exceptions.RedisError`, so callers treat it as "store unavailable": the write is not
+    acknowledged (it may still survive, or be lost in a failover).
+    """
+
+
+#: What redis-py (8.1) raises when its cluster client closes a connection another command is using.
+_CLOSED_UNDER_US = (AttributeError, RuntimeError)
+
+
+class _RedisCluster(RedisCluster):
+    """redis-py's asyncio cluster client with one of its races reported as what it is, a connection error.
+
+    During a failover, redis-py (8.1) closes a node's connections from one command's error path while another
+    command is using one of them; that command then fails with ``AttributeError: 'NoneType' object has no
+    attribute 'writelines'`` or ``RuntimeError: unable to perform operation on <TCPTransport closed=True>``
+    (both seen in tests/test_redis_cluster.py's failover test). Callers handle
+    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not those.
+    """
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _CLOSED_UNDER_US as exc:
+            raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` selects Redis Cluster (scheme ``redis+cluster`` or ``rediss+cluster``)."""
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisCluster:
+    """The asyncio client for ``url``: a :class:`redis.asyncio.Redis` on a blocking pool, or for
+    ``redis+cluster://h1:p1[,h2:p2...][?opts]`` (``rediss+cluster`` for TLS) a
+    :class:`redis.asyncio.cluster.RedisCluster` seeded with those nodes.
+
+    ``max_connections``: pool size (per node on a cluster). On one Redis a caller waits up to 10 s for a free
+    connection; the cluster client raises ``MaxConnectionsError`` instead. A cluster URL must not name a
+    database (Redis Cluster only has db 0): ``ValueError``.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
+        # instead of failing at once (redis-py's default pool turned load into "Too many connections").
+        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
+            health_check_interval=10))
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"a Redis Cluster URL has no database number (got path {parts.path!r} in {url!r})")
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    nodes = []
+    for hostport in filter(None, netloc.split(",")):
+        host, sep, port = hostport.rpartition(":")
+        if not sep or hostport.endswith("]"):  # no port given (``h`` or ``[::1]``)
+            host, port = hostport, ""
+        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))
+    if not nodes:
+        raise ValueError(f"no node in Redis Cluster URL {url!r}")
+    auth = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
+    user, _, password = auth.partition(":")
+    opts = {k: v for k, v in (q.split("=", 1) for q in parts.query.split("&") if "=" in q)}
+    # Failover: a replica is promoted after ``cluster-node-timeout`` (15 s by default); retry connection errors
+    # with a short capped backoff for about that long instead of redis-py's default 3 tries.
+    retries = int(opts.get("retries", 40))
+    return _RedisCluster(
+        startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None,
+        ssl=CLUSTER_SCHEMES[parts.scheme] == "rediss", max_connections=max_connections,
+        socket_connect_timeout=1, socket_timeout=10,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries))
+
+
 class Store:
     """Typed access to one experiment's Redis keys.
 
     Args:
-        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
-        prefix: key prefix, so several experiments can share one Redis.
+        redis_url: ``redis://127.0.0.1:6379/0`` (one Redis) or ``redis+cluster://h1:p1,h2:p2`` (Redis Cluster,
+            see :func:`connect`).
+        prefix: key prefix, so several experiments can share one Redis; must not contain ``{`` or ``}``
+            (hash-tag delimiters): ``ValueError``.
         max_connections: connection pool size; beyond it callers wait for a free connection.
+        wait_replicas: after each recorded call, wait (``WAIT``) until this many replicas hold it, so an
+            acknowledged record survives the loss of its master; 0: do not wait (Redis replication is
+            asynchronous: an acknowledged record can then be lost in a failover).
+        wait_timeout_ms: how long to wait for them; fewer replicas in time raises :class:`NotReplicated`.
     Errors from Redis (``redis.exceptions.ConnectionError`` and friends) propagate to the caller.
     """
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX,
-                 max_connections: int = 512):
+                 max_connections: int = 512, wait_replicas: int = 0, wait_timeout_ms: int = 1000):
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix {prefix!r} must not contain '{{' or '}}' (Redis Cluster hash-tag delimiters)")
+        if wait_replicas < 0 or wait_timeout_ms < 0:
+            raise ValueError("wait_replicas and wait_timeout_ms must be >= 0")
         self.redis_url = redis_url
         self.prefix = prefix
-        # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
-        # instead of failing at once (redis-py's default pool turned load into "Too many connections").
-        self.r: aioredis.Redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
-            health_check_interval=10))
+        self.cluster = is_cluster_url(redis_url)
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.r: aioredis.Redis | RedisCluster = connect(redis_url, max_connections)
         self._record_script = self.r.register_script(_RECORD_CALL)
+        self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
+        self._layout_ok = False
 
     def key(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
+        """An experiment-wide key (``P {E}:a:b``): all of them share one hash slot, so a transaction or a
+        blocking move over several of them (queue → processing list) works on a cluster."""
+        return self._global + ":".join(parts)
+
+    def rollout_key(self, kind: str, rollout_id: str, *parts: str) -> str:
+        """A key of one rollout (``P kind:{rid}[:part...]``): every key of a rollout shares its slot."""
+        return self.prefix + kind + ":{" + rollout_id + "}" + "".join(":" + p for p in parts)
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -95,10 +233,44 @@ class Store:
     async def ping(self) -> bool:
         return bool(await self.r.ping())
 
+    async def ensure_layout(self) -> None:
+        """Stamp an empty prefix with :data:`LAYOUT_VERSION`, or check the stamp already there.
+
+        Raises :class:`LayoutError` when the prefix holds another version, or keys of the untagged layout 1
+        (``P queue``, ``P rollouts``, ``P completed``, ``P policy``, ``P control:last``) with no stamp: mixing
+        layouts would lose rollouts. docs/operations.md describes the one-time way out. Idempotent; checked
+        once per store object (then cached).
+        """
+        if self._layout_ok:
+            return
+        marker = self.key("layout")
+        raw = await self.r.get(marker)
+        if raw is None:
+            old = [self.prefix + k for k in ("queue", "rollouts", "completed", "policy", "control:last")]
+            found = [k for k, n in zip(old, [await self.r.exists(k) for k in old]) if n]
+            if found:
+                raise LayoutError(
+                    f"Redis holds keys of AGL's layout 1 under prefix {self.prefix!r} ({', '.join(found)}), and this "
+                    f"version writes layout {LAYOUT_VERSION} (hash-tagged keys). Finish or discard that experiment "
+                    f"(delete its keys) or use another prefix; see docs/operations.md, 'Key layout versions'.")
+            await self.r.set(marker, str(LAYOUT_VERSION), nx=True)
+            raw = await self.r.get(marker)
+        if int(raw) != LAYOUT_VERSION:
+            raise LayoutError(f"prefix {self.prefix!r} holds key layout {int(raw)}, this version of AGL reads "
+                              f"layout {LAYOUT_VERSION}; use the matching AGL version or another prefix")
+        self._layout_ok = True
+
+    async def _mget(self, keys: list[str]) -> list[bytes | None]:
+        """MGET, split by slot on a cluster (keys of several rollouts live on several nodes)."""
+        if self.cluster:
+            return await self.r.mget_nonatomic(keys)
+        return await self.r.mget(keys)
+
     # ---------------------------------------------------------------- rollouts
     async def create_rollout(self, rollout: Rollout, enqueue: bool = True) -> Rollout:
         """Store a new rollout (fails with ``ValueError`` if the id exists) and queue it."""
-        key = self.key("rollout", rollout.rollout_id)
+        await self.ensure_layout()
+        key = self.rollout_key("rollout", rollout.rollout_id)
         ok = await self.r.set(key, rollout.model_dump_json(), nx=True)
         if not ok:
             raise ValueError(f"rollout {rollout.rollout_id!r} already exists")
@@ -110,7 +282,7 @@ class Store:
         return rollout
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
-        raw = await self.r.get(self.key("rollout", rollout_id))
+        raw = await self.r.get(self.rollout_key("rollout", rollout_id))
         if raw is None:
             raise RolloutNotFound(rollout_id)
         return Rollout.model_validate_json(raw)
@@ -119,7 +291,7 @@ class Store:
         """Fetch many rollouts in one round trip; raises :class:`RolloutNotFound` for a missing one."""
         if not rollout_ids:
             return []
-        raws = await self.r.mget([self.key("rollout", rid) for rid in rollout_ids])
+        raws = await self._mget([self.rollout_key("rollout", rid) for rid in rollout_ids])
         out = []
         for rid, raw in zip(rollout_ids, raws):
             if raw is None:
@@ -140,9 +312,12 @@ class Store:
         """Apply ``change`` to the stored rollout atomically (optimistic WATCH/MULTI, retried).
 
         ``change`` mutates the rollout in place and may raise to abort (nothing is written).
-        A changed ``status`` is checked against the state machine here, in one place.
+        A changed ``status`` is checked against the state machine here, in one place. A move to
+        succeeded/failed is then announced on ``P {E}:completed`` (:meth:`announce_completed`): a second
+        write, since the rollout's slot and the stream's differ on a cluster. A process that dies between
+        the two leaves its controller claim behind; the controller that adopts it announces again.
         """
-        key = self.key("rollout", rollout_id)
+        key = self.rollout_key("rollout", rollout_id)
         async with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -157,14 +332,21 @@ class Store:
                         check_transition(old_status, rollout.status)
                     pipe.multi()
                     pipe.set(key, rollout.model_dump_json())
-                    if rollout.status != old_status and rollout.status in TERMINAL:
-                        pipe.xadd(self.key("completed"), {"rid": rollout.rollout_id, "gid": rollout.group_id or "",
-                                                          "aid": rollout.attempt_id},
-                                  maxlen=COMPLETED_MAXLEN, approximate=True)
                     await pipe.execute()
-                    return rollout
+                    break
                 except WatchError:
                     continue
+        if rollout.status != old_status and rollout.status in TERMINAL:
+            await self.announce_completed(rollout)
+        return rollout
+
+    async def announce_completed(self, rollout: Rollout) -> None:
+        """Append ``(rid, gid, aid)`` of a finished rollout to ``P {E}:completed`` (trimmed to about
+        :data:`COMPLETED_MAXLEN`). Readers treat an entry as a wake-up and read the status: a repeated
+        announcement is harmless."""
+        await self.r.xadd(self.key("completed"), {"rid": rollout.rollout_id, "gid": rollout.group_id or "",
+                                                  "aid": rollout.attempt_id},
+                          maxlen=COMPLETED_MAXLEN, approximate=True)
 
     async def set_status(
         self, rollout_id: str, status: RolloutStatus, failure: str | None = None
@@ -196,30 +378,96 @@ class Store:
         """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
 
         One atomic server-side script (one round trip): the counter and the stream never disagree, even if
-        the gateway dies mid-call. Returns once Redis has acknowledged the write.
+        the gateway dies mid-call. Returns once Redis has acknowledged the write (and, with
+        ``wait_replicas``, once that many replicas hold it).
         """
         record.seq = -1
-        seq = await self.r.eval(_RECORD_CALL, 2, self.key("seq", record.rollout_id, record.attempt_id),
-                                self.key("calls", record.rollout_id), record.model_dump_json())
-        record.seq = int(seq)
+        record.seq = await self.record_call_json(record.rollout_id, record.attempt_id,
+                                                 record.model_dump_json().encode())
         return record
 
     async def record_call_json(self, rollout_id: str, attempt_id: str, record_json: bytes) -> int:
         """:meth:`record_call` for a record already serialized (the gateway's hot path); returns its ``seq``.
 
         ``record_json`` must be :class:`CallRecord` JSON with ``"seq":-1`` as its third field. The script is
-        sent by hash (EVALSHA, loaded on first use by redis-py's ``Script``).
+        sent by hash (EVALSHA; loaded with SCRIPT LOAD when a node does not know it yet). Each call carries a
+        fresh write token, so redis-py's own retry after a lost reply never records the call twice.
+        With ``wait_replicas`` > 0, ``WAIT wait_replicas wait_timeout_ms`` follows on the same connection
+        (one round trip); fewer replicas in time raises :class:`NotReplicated`.
         """
-        keys = [self.key("seq", rollout_id, attempt_id), self.key("calls", rollout_id)]
-        return int(await self._record_script(keys=keys, args=[record_json]))
+        keys = [self.rollout_key("seq", rollout_id, attempt_id), self.rollout_key("calls", rollout_id),
+                self.rollout_key("tokens", rollout_id, attempt_id)]
+        args = [record_json, uuid.uuid4().hex]
+        if not self.wait_replicas:
+            return int(await self._record_script(keys=keys, args=args))
+        if not self.cluster:
+            # One connection: redis-py re-sends the whole pipeline on a new connection after a connection
+            # error; a write already done is then re-stamped by the script, so the WAIT still covers it.
+            for _ in range(2):  # a server that does not know the script yet: load it and go again
+                pipe = self.r.pipeline(transaction=False)
+                pipe.evalsha(self._record_script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                try:
+                    seq, acked = await pipe.execute()
+                    break
+                except NoScriptError:
+                    await self.r.script_load(_RECORD_CALL)
+            return self._replicated(seq, acked, keys[1])
+        return await self._record_and_wait_cluster(keys, args)
+
+    def _replicated(self, seq: Any, acked: Any, what: str) -> int:
+        if int(acked) < self.wait_replicas:
+            raise NotReplicated(f"{acked} of {self.wait_replicas} replicas acknowledged the record of {what} "
+                                f"within {self.wait_timeout_ms} ms")
+        return int(seq)
+
+    async def _record_and_wait_cluster(self, keys: list[str], args: list) -> int:
+        """EVALSHA + WAIT pipelined on one connection to the master of the rollout's slot (WAIT counts the
+        writes of its own connection; redis-py's cluster pipeline may re-route a retried WAIT elsewhere).
+
+        On a connection error, a redirect (MOVED/ASK), CLUSTERDOWN or TRYAGAIN (a failover in progress) the
+        pair is sent again, up to :data:`RECORD_RETRIES` times with a capped backoff, after reloading the
+        slot map: the write token makes the script idempotent, and a repeated token re-stamps the record so
+        that the WAIT on the new connection covers it.
+        """
+        cmds = [("EVALSHA", self._record_script.sha, len(keys), *keys, *args),
+                ("WAIT", self.wait_replicas, self.wait_timeout_ms)]
+        last: Exception | None = None
+        for attempt in range(RECORD_RETRIES):
+            if attempt:
+                await asyncio.sleep(min(0.5, 0.05 * 2 ** attempt))
+            try:
+                await self.r.initialize()  # the slot map (a no-op unless a failure asked for a reload)
+                node = self.r.get_node_from_key(keys[0])
+            except RETRYABLE as exc:
+                last = exc
+                continue
+            batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
+            try:
+                await node.execute_pipeline(batch)
+            except (*RETRYABLE, *_CLOSED_UNDER_US) as exc:  # the send failed (node down; see _RedisCluster)
+                batch[0].result = batch[1].result = RedisConnectionError(str(exc))
+            seq, acked = batch[0].result, batch[1].result
+            if isinstance(seq, NoScriptError):
+                await node.execute_command("SCRIPT", "LOAD", _RECORD_CALL)
+                last = seq
+                continue
+            err = next((r for r in (seq, acked) if isinstance(r, Exception)), None)
+            if err is None:
+                return self._replicated(seq, acked, keys[1])
+            if not isinstance(err, RETRYABLE):
+                raise err
+            last = err
+            self.r._initialize = True  # reload the slot map before the next try (what redis-py does)
+        raise last if last is not None else NotReplicated(f"record of {keys[1]} not written")
 
     async def count_calls(self, rollout_id: str, attempt_id: str) -> int:
-        raw = await self.r.get(self.key("seq", rollout_id, attempt_id))
+        raw = await self.r.get(self.rollout_key("seq", rollout_id, attempt_id))
         return int(raw) if raw else 0
 
     async def read_calls(self, rollout_id: str, attempt_id: str | None = None) -> list[CallRecord]:
         """Every recorded call of a rollout (optionally one attempt), ordered by ``seq``."""
-        entries = await self.r.xrange(self.key("calls", rollout_id))
+        entries = await self.r.xrange(self.rollout_key("calls", rollout_id))
         calls = [CallRecord.model_validate_json(fields[b"d"]) for _, fields in entries]
         if attempt_id is not None:
             calls = [c for c in calls if c.attempt_id == attempt_id]
@@ -231,11 +479,11 @@ class Store:
 
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
-        entry_id = await self.r.xadd(self.key("events", rollout_id), {"d": body})
+        entry_id = await self.r.xadd(self.rollout_key("events", rollout_id), {"d": body})
         return entry_id.decode()
 
     async def read_events(self, rollout_id: str) -> list[dict[str, Any]]:
-        entries = await self.r.xrange(self.key("events", rollout_id))
+        entries = await self.r.xrange(self.rollout_key("events", rollout_id))
         return [orjson.loads(fields[b"d"]) for _, fields in entries]
 
     # ---------------------------------------------------------------- policy & control
@@ -256,8 +504,26 @@ class Store:
                 self.key("policy"),
                 Policy(model=command.model, version=command.version or 0).model_dump_json(),
             )
-        pipe.publish(self.key("control"), body)
         await pipe.execute()
+        # After the transaction, not in it (a cluster transaction holds one slot's keys; PUBLISH has none):
+        # a replica that misses the message reads ``control:last`` when it (re)subscribes.
+        await self.r.publish(self.key("control"), body)
+
+    async def subscribe_control(self) -> aioredis.client.PubSub:
+        """A pub/sub connection subscribed to ``P {E}:control`` (close it with ``aclose()``).
+
+        On a cluster the channel is served by any node (PUBLISH reaches every node); the slot map is loaded
+        first (redis-py's cluster pub/sub needs it). Raises Redis connection errors.
+        """
+        if self.cluster:
+            await self.r.initialize()
+        pubsub = self.r.pubsub()
+        try:
+            await pubsub.subscribe(self.key("control"))
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
 
     async def last_control(self) -> ControlCommand | None:
         raw = await self.r.get(self.key("control:last"))

@@ -154,7 +154,8 @@ class Runner:
             await self.store.requeue_claim(self.controller_id, rollout_id)
         elif rollout.status == RolloutStatus.running:
             await self.adopt_running(rollout)
-        else:
+        else:  # finished: its owner may have died between the status and the announcement (harmless twice)
+            await self.store.announce_completed(rollout)
             await self.store.release_claim(self.controller_id, rollout_id)
 
     async def adopt_running(self, rollout: Rollout) -> None:

@@ -146,7 +146,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections)
+        store = Store(settings.redis_url, settings.prefix, settings.redis_max_connections,
+                      wait_replicas=settings.wait_replicas, wait_timeout_ms=settings.wait_timeout_ms)
         # aiohttp's pool costs a fraction of httpx's per call at high concurrency (bench/gateway.py). Idle
         # connections are dropped after 2 s, under the engine's own keep-alive (uvicorn, vLLM: 5 s), so a
         # connection the engine is closing is never reused. Only the TCP connect has its own bound (10 s: a
@@ -221,9 +222,9 @@ async def _sync_from_store(st: GatewayState) -> None:
 async def _control_loop(st: GatewayState) -> None:
     """Listen on the control channel; on (re)connect, re-read the stored state first."""
     while True:
-        pubsub = st.store.r.pubsub()
+        pubsub = None
         try:
-            await pubsub.subscribe(st.store.key("control"))
+            pubsub = await st.store.subscribe_control()
             await _sync_from_store(st)
             async for message in pubsub.listen():
                 if message.get("type") != "message":
@@ -238,8 +239,9 @@ async def _control_loop(st: GatewayState) -> None:
             log.warning("control channel lost (%s); reconnecting", exc)
             await asyncio.sleep(0.5)
         finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:

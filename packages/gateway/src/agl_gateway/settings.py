@@ -27,6 +27,11 @@ class GatewaySettings(CommonSettings):
     heartbeat_s: float = 1.0
     otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables
     redis_max_connections: int = 512  # per replica; a call waits (up to 10 s) for a free one beyond that
+    wait_replicas: int = Field(default=0, ge=0, description=(
+        "replicas that must hold a call's record (Redis WAIT) before the agent gets its answer; 0: reply once "
+        "the master has it (faster; a failover can lose acknowledged records)"))
+    wait_timeout_ms: int = Field(default=1000, ge=0, description=(
+        "how long to wait for them; fewer in time: 503 store_unavailable (the record may still exist)"))
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property

@@ -8,7 +8,7 @@ more than ``max_staleness`` policy versions ago is dropped when it completes (co
 Heavy-tailed rollout durations make this ~2x faster end to end (bench/async_sim.py).
 
 Completions reach the trainer through a Redis consumer group (``trainer:{tag}``) on ``P completed``,
-the stream the store appends to in the same transaction as every move to succeeded/failed. An entry
+the stream the store appends to right after every move to succeeded/failed. An entry
 stays *pending* until its group is committed (trained: ``SADD P trained`` + ``XACK`` in one
 transaction, after the checkpoint is written) or dropped as stale. A trainer killed mid-step leaves
 its batch's entries pending; the restarted one takes them over (XAUTOCLAIM, :meth:`GroupScheduler.start`)
