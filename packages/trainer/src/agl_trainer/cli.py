@@ -21,6 +21,13 @@ app.add_typer(gateway_app, name="gateway")
 
 RedisOpt = typer.Option(DEFAULT_REDIS_URL, "--redis", envvar="AGL_REDIS_URL", help="Redis URL")
 PrefixOpt = typer.Option(DEFAULT_PREFIX, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix")
+# train/demo: unset means "the config's value" (which defaults to the same URL and prefix)
+RunRedisOpt = typer.Option(None, "--redis", envvar="AGL_REDIS_URL", help="Redis URL (overrides the config)")
+RunPrefixOpt = typer.Option(None, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix (overrides the config)")
+
+
+def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
+    return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
 # Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=250)
 err = Console(stderr=True)
@@ -58,7 +65,8 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
 @app.command()
 def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
           resume: Path = typer.Option(None, exists=True, file_okay=False,
-                                      help="continue this run directory from its last checkpoint")):
+                                      help="continue this run directory from its last checkpoint"),
+          redis: str = RunRedisOpt, prefix: str = RunPrefixOpt):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -66,6 +74,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
 
     try:
         cfg = TrainConfig.from_yaml(config)
+        cfg = cfg.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix)})
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
@@ -78,13 +87,14 @@ def demo(
     out_dir: Path = typer.Option(None, help="where runs are written"),
     engine_url: str = typer.Option(None, help="use this running vLLM instead of starting one"),
     seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the mini-batches"),
+    redis: str = RunRedisOpt, prefix: str = RunPrefixOpt,
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
     overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
                                    "seed": seed}.items() if v is not None}
-    _run(TrainConfig(**overrides))
+    _run(TrainConfig(**overrides, **_redis_overrides(redis, prefix)))
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -137,7 +147,7 @@ def rollouts_list(limit: int = typer.Option(100), as_json: bool = typer.Option(F
     async def main():
         store = _store(redis, prefix)
         try:
-            ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
+            ids = await store.rollout_ids()
             ids = [i for i in ids if run is None or i.startswith(run)][-limit:]
             return await store.get_rollouts(ids)
         finally:
@@ -199,7 +209,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
                 await store.get_rollout(rollout)
                 ids = [rollout]
             else:
-                ids = [i.decode() for i in await store.r.zrange(store.key("rollouts"), 0, -1)]
+                ids = await store.rollout_ids()
                 ids = [i for i in ids if run is None or i.startswith(run)]
             for rid in ids:
                 for c in await store.read_calls(rid):

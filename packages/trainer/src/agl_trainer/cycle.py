@@ -54,14 +54,14 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
     """Run one collocated cycle and return its timings (seconds) merged with ``update``'s stats.
 
     ``update()`` runs the optimizer step (in a worker thread); ``save(version)`` writes the adapter.
-    If anything fails after the pause, the gateway is resumed on the *old* policy before re-raising, so
+    If anything fails from the pause on (the drain timing out included), the gateway is resumed on the *old* policy before re-raising, so
     agents are never left held by a crashed trainer.
     """
     t0 = time.perf_counter()
-    replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
-    t_drained = time.perf_counter()
     name = f"policy-v{version}"
-    try:
+    try:  # the pause inside: a drain that fails or is cancelled ends resumed too
+        replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+        t_drained = time.perf_counter()
         stats = await asyncio.to_thread(update)
         path = await asyncio.to_thread(save, version)
         await load_adapter(engine_url, name, path)
