@@ -326,3 +326,38 @@ def _raw_redis_uses(path: Path) -> list[str]:
 def test_only_the_store_touches_redis_and_nothing_scans_the_keyspace():
     found = [u for p in sorted((ROOT / "packages").glob("*/src/**/*.py")) for u in _raw_redis_uses(p)]
     assert found == []
+
+
+# --------------------------------------------------------------------------- 13. nothing blocks the event loop
+async def test_the_event_loop_answers_while_litellm_is_imported(store, redis_url, prefix, upstream, monkeypatch):
+    """LiteLLM's import (seconds; minutes beside CPU-heavy work) must not stop the gateway answering: here
+    the import lasts until ``/healthz`` has answered, which it must do while a translated call waits."""
+    import threading
+
+    from agl_gateway import translate
+
+    real = translate._litellm
+    importing, release = threading.Event(), threading.Event()
+
+    def slow_import():
+        importing.set()
+        release.wait(60)  # an import in progress (it would hold the module's import lock)
+        return real()
+
+    monkeypatch.setattr(translate, "_litellm", slow_import)
+    monkeypatch.setattr(translate, "_loaded", threading.Event(), raising=False)
+    monkeypatch.setattr(translate, "_thread", None, raising=False)
+    monkeypatch.setattr(translate, "_waiters", [], raising=False)
+    await make_rollout(store)
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=120) as c:
+            call = asyncio.create_task(c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json={
+                "model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}))
+            try:
+                while not importing.is_set():
+                    await asyncio.sleep(0.02)
+                health = await c.get(f"{gw.url}/healthz", timeout=30)  # (a blocked loop never answers)
+                assert health.status_code == 200 and not call.done()
+            finally:
+                release.set()
+            assert (await call).status_code == 200

@@ -14,7 +14,6 @@ from agl_common.store import Store
 from fastapi import FastAPI, Request
 from starlette.routing import Match
 
-from . import translate
 from .engines import Engines
 from .errors import ApiError, install_handlers
 from .gate import PauseGate
@@ -128,8 +127,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                           metrics, Engines(settings.upstreams_v1))
         app.state.agl = st
         tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
-                 asyncio.create_task(_discover_model(st)),
-                 asyncio.create_task(asyncio.to_thread(translate.warm))]
+                 asyncio.create_task(_discover_model(st))]
+        # LiteLLM is not imported here: the first translated call starts its import (translate.ready()).
+        # A start-up import competed for the GIL and the import locks with every call of a gateway that
+        # may never translate (minutes beside CPU-heavy work: issue 14).
         try:
             yield
         finally:

@@ -29,6 +29,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from . import translate
 from .body import read_json
 from .capture import MAX_JSON_DEPTH, Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, too_deep
 from .errors import ApiError, bad_request
@@ -105,6 +106,8 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     body = await read_json(request, st.settings.max_body_bytes)
     ident = await resolve_identity(request, st)
     check_callable(ident)
+    if spec.to_upstream is not None:
+        await translate.ready()  # LiteLLM is imported off the event loop
     upstream = upstream_body(spec, body)
     stream = bool(body.get("stream"))
     if stream and not (spec.sse or spec.live_stream):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import pause_and_drain, resume
+from agl_common.settings import engine_base_urls
 from agl_common.store import Store
 
 
@@ -24,7 +25,7 @@ class EngineError(RuntimeError):
 
 def engine_urls(engine_url: str) -> list[str]:
     """Engine base URLs (no ``/v1``) from a comma-separated list."""
-    return [u.strip().rstrip("/").removesuffix("/v1") for u in engine_url.split(",") if u.strip()]
+    return engine_base_urls(engine_url)
 
 
 async def load_adapter(engine_url: str, name: str, path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from .. import translate
 from ..body import read_json
 from ..errors import ApiError
 from ..identity import resolve_identity
@@ -33,6 +34,7 @@ async def count_tokens(request: Request):
     st = state_of(request)
     body = await read_json(request, st.settings.max_body_bytes)
     ident = await resolve_identity(request, st)
+    await translate.ready()
     chat = anthropic_to_chat({"max_tokens": 1, **body})
     payload = {"model": (await current_policy(st)).model, "messages": chat["messages"],
                **({"tools": chat["tools"]} if chat.get("tools") else {})}
