@@ -337,10 +337,11 @@ async def test_the_event_loop_answers_while_litellm_is_imported(store, redis_url
     from agl_gateway import translate
 
     real = translate._litellm
-    importing, release = threading.Event(), threading.Event()
+    release = threading.Event()
+    entered: list[str] = []
 
     def slow_import():
-        importing.set()
+        entered.append(threading.current_thread().name)
         release.wait(60)  # an import in progress (it would hold the module's import lock)
         return real()
 
@@ -348,13 +349,17 @@ async def test_the_event_loop_answers_while_litellm_is_imported(store, redis_url
     monkeypatch.setattr(translate, "_loaded", threading.Event(), raising=False)
     monkeypatch.setattr(translate, "_thread", None, raising=False)
     monkeypatch.setattr(translate, "_waiters", [], raising=False)
+    if hasattr(translate, "warm_in_background"):  # an import already running (before the fix: at start-up)
+        translate.warm_in_background()
     await make_rollout(store)
     with gateway(redis_url, prefix, upstream.url) as gw:
         async with httpx.AsyncClient(timeout=120) as c:
             call = asyncio.create_task(c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json={
                 "model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}))
             try:
-                while not importing.is_set():
+                # until the call waits for the import: on the event loop (the fault: a second entry) or
+                # as an awaiting waiter (the fix)
+                while not (len(entered) >= 2 or translate._waiters):
                     await asyncio.sleep(0.02)
                 health = await c.get(f"{gw.url}/healthz", timeout=30)  # (a blocked loop never answers)
                 assert health.status_code == 200 and not call.done()
