@@ -10,7 +10,7 @@ import time
 import uvicorn
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 
 def free_port() -> int:
@@ -22,8 +22,8 @@ def free_port() -> int:
 class Served:
     """Run an ASGI app with uvicorn on a free loopback port in a background thread."""
 
-    def __init__(self, app):
-        self.port = free_port()
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on"))
@@ -44,9 +44,16 @@ class Served:
 
 
 def fake_upstream() -> FastAPI:
-    """vLLM-shaped answers: prompt ids = one id per message char count, response ids [7, 8, 9, 2]."""
+    """vLLM-shaped answers: prompt ids = one id per message char count, response ids [7, 8, 9, 2].
+
+    Knobs in the request body: ``x_delay`` (seconds, before the answer or after each stream chunk),
+    ``x_fail`` (``"garbage"``/``"null"``), ``x_status`` (answer that HTTP status with a vLLM-shaped error),
+    ``x_short_ids`` (token ids shorter than ``usage.completion_tokens``, as tool-call parsing can give).
+    ``app.state.abort_next``: how many of the next calls end with ``finish_reason: "abort"`` (a weight update).
+    """
     app = FastAPI()
     app.state.calls = []
+    app.state.abort_next = 0
 
     @app.get("/v1/models")
     async def models():
@@ -60,19 +67,28 @@ def fake_upstream() -> FastAPI:
             await asyncio.sleep(float(body["x_delay"]))
         if body.get("x_fail"):
             return {"garbage": True} if body["x_fail"] == "garbage" else None
+        if body.get("x_status"):
+            status = int(body["x_status"])
+            return JSONResponse({"error": {"message": f"engine refused: status {status}", "type": "BadRequestError",
+                                           "param": None, "code": status}}, status_code=status)
         prompt = [1] + [len(str(m.get("content", ""))) for m in body.get("messages", [])]
         ids = [7, 8, 9, 2]
+        finish = "stop"
+        if app.state.abort_next > 0:
+            app.state.abort_next -= 1
+            finish = "abort"
         if body.get("stream"):
-            return StreamingResponse(_stream(body, prompt, ids), media_type="text/event-stream")
+            return StreamingResponse(_stream(body, prompt, ids, finish), media_type="text/event-stream")
         if body.get("tools") and body.get("x_tool"):
             return _tool_answer(body, prompt)
+        got = ids[:2] if body.get("x_short_ids") else ids
         return {
             "id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
             "prompt_token_ids": prompt,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "the answer is 7"},
-                         "finish_reason": "stop", "token_ids": ids,
+                         "finish_reason": finish, "token_ids": got,
                          "logprobs": {"content": [{"token": str(t), "logprob": -0.1 * (k + 1)}
-                                                  for k, t in enumerate(ids)]} if body.get("logprobs") else None}],
+                                                  for k, t in enumerate(got)]} if body.get("logprobs") else None}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + 4},
         }
 
@@ -96,11 +112,16 @@ def fake_upstream() -> FastAPI:
 PIECES = ["the ", "answer ", "is 7", ""]
 
 
-async def _stream(body, prompt, ids):
+async def _stream(body, prompt, ids, finish="stop"):
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
     yield b"data: " + orjson.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}],
                                     "prompt_token_ids": prompt}) + b"\n\n"
+    if finish == "abort":  # aborted before its first token (held in the engine's queue by a weight update)
+        yield b"data: " + orjson.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                            "finish_reason": "abort", "token_ids": []}]}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+        return
     n = len(ids) - int(bool(body.get("x_drop_ids")))
     for k, (piece, tid) in enumerate(zip(PIECES, ids)):
         yield b"data: " + orjson.dumps({**base, "choices": [{

@@ -93,7 +93,9 @@ class GatewayProc:
         self.env = {**os.environ, "AGL_REPLICA_ID": replica_id, "AGL_HEARTBEAT_S": "0.2", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60) -> GatewayProc:
+    def start(self, timeout_s: float = 300) -> GatewayProc:
+        """Start and wait for ``/healthz``. The bound is for a process that never starts, not a speed: at
+        nice 19 beside CPU-heavy work the gateway's imports alone took 67 s (issue 14)."""
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         deadline = time.monotonic() + timeout_s
@@ -270,7 +272,8 @@ async def test_gateway_sigkill_mid_flight_loses_no_acknowledged_call(redis_url, 
 async def test_sigterm_during_a_pause_answers_held_calls_and_exits(redis_url, prefix, upstream, procs, tmp_path):
     """A gateway stopped (SIGTERM) while paused does not wait for its held calls (up to --max-hold): they
     get 503 ``shutting_down`` at once and the process exits; nothing is recorded for them."""
-    gw = GatewayProc(upstream.url, redis_url, prefix, "gw-term", tmp_path / "gw.log", extra=["--open"]).start()
+    gw = GatewayProc(upstream.url, redis_url, prefix, "gw-term", tmp_path / "gw.log",
+                     extra=["--open", "--max-hold", "600"]).start()
     procs.append(gw)
     store = Store(redis_url, prefix)
     try:
@@ -283,11 +286,13 @@ async def test_sigterm_during_a_pause_answers_held_calls_and_exits(redis_url, pr
             await asyncio.sleep(0.05)
         t0 = time.monotonic()
         gw.proc.terminate()
-        resp = await asyncio.wait_for(held, 10)
+        # the bounds show the held call was not kept until --max-hold (600 s); they are not speeds (a
+        # starved process takes seconds to run its shutdown)
+        resp = await asyncio.wait_for(held, 120)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
         assert resp.headers["retry-after"] == "1"
-        await asyncio.to_thread(gw.proc.wait, 10)
-        assert time.monotonic() - t0 < 10
+        await asyncio.to_thread(gw.proc.wait, 120)
+        assert time.monotonic() - t0 < 120
         assert await store.read_calls("T1") == []
     finally:
         await resume(store)
@@ -327,9 +332,16 @@ async def test_redis_restart_loses_nothing_acknowledged_and_gateway_recovers(ups
                 await asyncio.sleep(0.1)
             k += 1
 
-    async with httpx.AsyncClient(timeout=30) as c:
+    async def until(cond, what: str, within_s: float = 120.0) -> None:
+        """Wait for ``cond()``; the bound catches a gateway that never gets there, it is not a speed."""
+        deadline = time.monotonic() + within_s
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(timeout=60) as c:
         tasks = [asyncio.create_task(agent(c, i)) for i in range(8)]
-        await asyncio.sleep(1.5)
+        await until(lambda: len(acked) >= 8, "no call succeeded before Redis went down")
         n_before = len(acked)
         await asyncio.to_thread(rd.kill9)
         down["from"] = time.monotonic()
@@ -341,11 +353,12 @@ async def test_redis_restart_loses_nothing_acknowledged_and_gateway_recovers(ups
         assert (await c.get(gw.url + "/readyz")).status_code == 503
         await asyncio.to_thread(rd.start)
         down["to"] = time.monotonic()
-        await asyncio.sleep(2.5)
+        await until(lambda: first_ok_after_restart, "the gateway did not recover by itself")
+        n_after = len(acked)
+        await until(lambda: len(acked) >= n_after + 8, "calls did not keep succeeding after the restart")
         stop.set()
         await asyncio.gather(*tasks)
     assert n_before > 0 and len(acked) > n_before
-    assert first_ok_after_restart and first_ok_after_restart[0] < 5, "the gateway did not recover by itself"
     assert set(statuses) <= {200, 503}, statuses  # nothing but answers and 'retry later'
     assert set(codes) <= {"store_unavailable"}, codes
     r = redis.Redis.from_url(rd.url)

@@ -84,6 +84,11 @@ def deployed(redis_url, tmp_path_factory):
         gw = GatewayProc(ups.url, redis_url, prefix, "gw-sec", log,
                          extra=["--key", ADMIN, "--open", "--max-body-bytes", str(MAX_BODY), "--log-level", "debug"])
         gw.start()
+        # The first translated call waits for LiteLLM's import (seconds; minutes at nice 19 on a busy
+        # machine): made here with a bound for an import that never ends, so the 30 s windows below are
+        # about each answer, not the import.
+        httpx.post(f"{gw.url}/rollouts/warm/attempts/0/v1/messages/count_tokens", json=BODIES["messages/count_tokens"],
+                   headers=auth(ADMIN, anthropic=True), timeout=600)
         try:
             yield gw, up, r, prefix, log
         finally:

@@ -480,11 +480,11 @@ async def test_collocated_cycle_failure_wakes_and_resumes_old_policy(fail):
     assert cycle.events[-1] == "resumed_old"
 
 
-async def test_collocated_cycle_failed_drain_touches_nothing():
+async def test_collocated_cycle_failed_drain_resumes_and_touches_nothing_else():
     eng = FakeEngine(fail="pause")
     with pytest.raises(RuntimeError):
         await eng.cycle().run(1)
-    assert eng.log == ["pause"]
+    assert eng.log == ["pause", "resume:None:None"]  # a failed pause ends resumed (issue 14, fault 1)
 
 
 async def test_gateway_control_over_redis(store):

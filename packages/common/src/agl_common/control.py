@@ -22,23 +22,46 @@ class DrainTimeout(TimeoutError):
     """Not every live gateway replica acknowledged the drain in time."""
 
 
-async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float = 0.05) -> list[ReplicaStatus]:
+#: Longest a pause lasts if its publisher never resumes (killed mid-update): replicas resume on their own.
+MAX_PAUSE_S = 3600.0
+
+
+async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float = 0.05,
+                          max_pause_s: float = MAX_PAUSE_S) -> list[ReplicaStatus]:
     """Pause all gateway replicas and wait until each reports its in-flight calls drained.
 
     Returns the replicas' statuses at the moment of the acknowledgement. With no live replica, returns
     ``[]`` at once (nothing can be in flight). Raises :class:`DrainTimeout` after ``timeout_s`` seconds.
+
+    A pause that does not complete (timeout, Redis error, cancellation) is withdrawn before the error
+    propagates: a ``resume`` on the same policy is published, so no replica stays paused and replicas
+    started later do not come up paused. The pause itself expires ``max_pause_s`` seconds after it was
+    published (:attr:`ControlCommand.expires_at`), in case its publisher dies before resuming.
+    Replica statuses come from the store's registry (two round trips per poll, every ``poll_s`` seconds).
     """
-    command = ControlCommand(cmd="pause", id=uuid.uuid4().hex)
-    await store.publish_control(command)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        replicas = await store.replicas()
-        if all(r.paused and r.drained_id == command.id for r in replicas):
-            return replicas
-        if time.monotonic() > deadline:
-            waiting = [r.replica_id for r in replicas if r.drained_id != command.id]
-            raise DrainTimeout(f"replicas not drained after {timeout_s} s: {waiting}")
-        await asyncio.sleep(poll_s)
+    command = ControlCommand(cmd="pause", id=uuid.uuid4().hex, expires_at=time.time() + max_pause_s)
+    try:
+        await store.publish_control(command)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            replicas = await store.replicas()
+            if all(r.paused and r.drained_id == command.id for r in replicas):
+                return replicas
+            if time.monotonic() > deadline:
+                waiting = [r.replica_id for r in replicas if r.drained_id != command.id]
+                raise DrainTimeout(f"replicas not drained after {timeout_s} s (pause withdrawn): {waiting}")
+            await asyncio.sleep(poll_s)
+    except BaseException:
+        await asyncio.shield(_withdraw(store))
+        raise
+
+
+async def _withdraw(store: Store) -> None:
+    """Best effort: resume on the same policy (a Redis that is down will also expire the pause)."""
+    try:
+        await resume(store)
+    except Exception:  # noqa: BLE001 - the original error matters more; the pause still expires
+        pass
 
 
 async def resume(store: Store, model: str | None = None, version: int | None = None) -> ControlCommand:

@@ -124,6 +124,9 @@ class ControlCommand(BaseModel):
     id: str
     model: str | None = None
     version: int | None = None
+    #: pause only: Unix time (s) after which the pause is over on its own, so that a trainer killed
+    #: between pause and resume cannot leave replicas (or replicas started later) paused for good.
+    expires_at: float | None = None
 
 
 class ReplicaStatus(BaseModel):

@@ -13,6 +13,13 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "agl:"
 
 
+def engine_base_urls(value: str) -> list[str]:
+    """Engine base URLs from a comma-separated list (``agl-gateway serve --upstream``, the trainer's
+    ``engine_url``), each stripped of spaces, a trailing ``/`` and a trailing ``/v1``:
+    ``"http://a:8000/v1, http://b:8000/"`` → ``["http://a:8000", "http://b:8000"]``."""
+    return [u.strip().rstrip("/").removesuffix("/v1") for u in value.split(",") if u.strip()]
+
+
 class CommonSettings(BaseSettings):
     """Where Redis is and which key prefix this experiment uses."""
 

@@ -373,6 +373,14 @@ class Store:
     async def enqueue(self, rollout_id: str) -> None:
         await self.r.lpush(self.key("queue"), rollout_id)
 
+    async def queued_ids(self) -> list[str]:
+        """Rollout ids waiting in the queue, next to be claimed last."""
+        return [i.decode() for i in await self.r.lrange(self.key("queue"), 0, -1)]
+
+    async def next_group_number(self, tag: str) -> int:
+        """0, 1, 2... per ``tag`` (``INCR P groups:{tag}``): a restarted trainer never reuses a number."""
+        return int(await self.r.incr(self.key("groups", tag))) - 1
+
     # ---------------------------------------------------------------- calls
     async def record_call(self, record: CallRecord) -> CallRecord:
         """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
@@ -530,15 +538,32 @@ class Store:
         return ControlCommand.model_validate_json(raw) if raw else None
 
     async def heartbeat(self, status: ReplicaStatus) -> None:
+        """Write the replica's status (expires after ``REPLICA_TTL_S``) and register it in ``P replicas``
+        (a zset scored by the Unix time its heartbeat expires), in one round trip."""
         status.updated_at = time.time()
-        await self.r.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_TTL_S)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_TTL_S)
+        pipe.zadd(self.key("replicas"), {status.replica_id: status.updated_at + REPLICA_TTL_S})
+        await pipe.execute()
+
+    async def drop_replica(self, replica_id: str) -> None:
+        """Forget a replica at once (a clean shutdown): its status and its registry entry."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(self.key("replica", replica_id))
+        pipe.zrem(self.key("replicas"), replica_id)
+        await pipe.execute()
 
     async def replicas(self) -> list[ReplicaStatus]:
-        """Live gateway replicas (those whose heartbeat has not expired)."""
-        keys = [k async for k in self.r.scan_iter(match=self.key("replica", "*"), count=100)]
-        if not keys:
+        """Live gateway replicas (those whose heartbeat has not expired), from the ``P replicas`` registry:
+        two round trips whatever the keyspace holds (expired entries are pruned on the way)."""
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zremrangebyscore(self.key("replicas"), "-inf", now)
+        pipe.zrange(self.key("replicas"), 0, -1)
+        ids = [i.decode() for i in (await pipe.execute())[1]]
+        if not ids:
             return []
-        raws = await self.r.mget(keys)
+        raws = await self.r.mget([self.key("replica", rid) for rid in ids])
         return [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
 
     # ---------------------------------------------------------------- controller claims, leases, retries
@@ -554,10 +579,13 @@ class Store:
         :meth:`release_claim` or :meth:`requeue_claim`, so a crash never loses it.
         """
         src, dst = self.key("queue"), self.key("processing", controller_id)
+        pipe = self.r.pipeline(transaction=False)  # registered first, so a claim is never out of the registry
+        pipe.sadd(self.key("controllers"), controller_id)
         if timeout_s is None:
-            item = await self.r.lmove(src, dst, "RIGHT", "LEFT")
+            pipe.lmove(src, dst, "RIGHT", "LEFT")
         else:
-            item = await self.r.blmove(src, dst, timeout_s, "RIGHT", "LEFT")
+            pipe.blmove(src, dst, timeout_s, "RIGHT", "LEFT")
+        item = (await pipe.execute())[1]
         return item.decode() if item else None
 
     async def release_claim(self, controller_id: str, rollout_id: str) -> None:
@@ -586,22 +614,33 @@ class Store:
         return item.decode() if item else None
 
     async def renew_lease(self, controller_id: str, ttl_s: float) -> None:
-        """(Re)set the controller's lease so that it expires ``ttl_s`` seconds from now."""
-        await self.r.set(self.key("controller", controller_id), str(time.time()), px=max(1, int(ttl_s * 1000)))
+        """(Re)set the controller's lease so that it expires ``ttl_s`` seconds from now, and register the
+        controller in ``P controllers`` (a set: every controller that may own a processing list)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.key("controller", controller_id), str(time.time()), px=max(1, int(ttl_s * 1000)))
+        pipe.sadd(self.key("controllers"), controller_id)
+        await pipe.execute()
 
     async def drop_lease(self, controller_id: str) -> None:
         """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""
         await self.r.delete(self.key("controller", controller_id))
 
     async def claim_owners(self) -> dict[str, bool]:
-        """Every controller id that has a processing list, mapped to whether its lease is still alive."""
-        head = self.key("processing", "")
-        keys = [k.decode() async for k in self.r.scan_iter(match=head + "*", count=100)]
-        ids = [k[len(head):] for k in keys]
+        """Every registered controller id that has a processing list, mapped to whether its lease is still
+        alive (from the ``P controllers`` registry, not a keyspace scan). A controller with neither a lease
+        nor a processing list left is dropped from the registry."""
+        ids = sorted(i.decode() for i in await self.r.smembers(self.key("controllers")))
         if not ids:
             return {}
-        alive = await self.r.mget([self.key("controller", cid) for cid in ids])
-        return {cid: raw is not None for cid, raw in zip(ids, alive)}
+        pipe = self.r.pipeline(transaction=False)
+        for cid in ids:
+            pipe.exists(self.key("processing", cid))
+        pipe.mget([self.key("controller", cid) for cid in ids])
+        *has_list, alive = await pipe.execute()
+        gone = [cid for cid, n, raw in zip(ids, has_list, alive) if not n and raw is None]
+        if gone:
+            await self.r.srem(self.key("controllers"), *gone)
+        return {cid: raw is not None for cid, n, raw in zip(ids, has_list, alive) if n}
 
     async def retry_attempt(self, rollout_id: str, attempt_id: str, enqueue: bool = False) -> Rollout:
         """Start a new attempt: ``running | failed → queuing`` with ``attempt_id + 1``, reward and times cleared.

@@ -131,7 +131,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
         async def queued() -> list[Rollout]:
             store = Store(redis, prefix)
             try:
-                ids = [i.decode() for i in await store.r.lrange(store.key("queue"), 0, -1)]
+                ids = await store.queued_ids()
                 return await store.get_rollouts(list(reversed(ids)))
             finally:
                 await store.close()

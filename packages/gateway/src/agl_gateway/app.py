@@ -12,55 +12,21 @@ import aiohttp
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.store import Store
 from fastapi import FastAPI, Request
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.routing import Match
 
-from . import translate
 from .engines import Engines
-from .errors import install_handlers
+from .errors import ApiError, install_handlers
 from .gate import PauseGate
+from .metrics import Metrics
 from .otel import tracer_from_env
-from .proxy import GatewayState
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
+from .state import GatewayState
+from .upstream import current_policy
 
 log = logging.getLogger("agl.gateway")
 
 ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}"
-
-
-class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("agl_gateway_requests", "Requests by route and status", ["route", "status"],
-                                registry=r)
-        self.in_flight = Gauge("agl_gateway_in_flight", "Model calls in flight upstream", registry=r)
-        self.held = Gauge("agl_gateway_held", "Model calls held by a pause", registry=r)
-        self.upstream_seconds = Histogram("agl_gateway_upstream_seconds", "Upstream latency (s)", ["route"],
-                                          registry=r)
-        self.added_seconds = Histogram("agl_gateway_added_seconds", "Latency the gateway adds to a call (s): "
-                                       "parsing, lookup, recording, translation", ["route"], registry=r,
-                                       buckets=(.0005, .001, .002, .005, .01, .025, .05, .1, .5))
-        self.record_seconds = Histogram("agl_gateway_record_seconds", "Redis record-write latency (s)",
-                                        registry=r, buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, 1))
-        self.tokens = Counter("agl_gateway_tokens", "Tokens in (prompt) and out (response)", ["direction"],
-                              registry=r)
-        self.pause_seconds = Histogram("agl_gateway_pause_seconds", "Time from pause to resume (s)", registry=r)
-        self.drain_seconds = Histogram("agl_gateway_drain_seconds", "Time from pause to drained (s)",
-                                       registry=r)
-        self.tokens_in, self.tokens_out = self.tokens.labels("in"), self.tokens.labels("out")
-        self._children: dict[tuple, object] = {}  # labelled children, looked up once (labels() takes a lock)
-
-    def route(self, metric, *labels: str):
-        """``metric.labels(*labels)``, cached."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
 
 class RequestMetrics:
@@ -159,16 +125,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set)
-        st = GatewayState(settings, store, http, gate, Policy(model=settings.model or "default"), metrics,
-                          Engines(settings.upstreams_v1), tracer_from_env(settings.otel))
+        st = GatewayState(settings, store, http, gate, Policy(model=settings.model) if settings.model else None,
+                          metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
         app.state.agl = st
-        if settings.model is None:
-            with contextlib.suppress(Exception):
-                async with http.get(settings.upstreams_v1[0] + "/models",
-                                    timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-                    st.policy = Policy(model=(await resp.json())["data"][0]["id"])
         tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
-                 asyncio.create_task(asyncio.to_thread(translate.warm))]
+                 asyncio.create_task(_discover_model(st))]
+        # LiteLLM is not imported here: the first translated call starts its import (translate.ready()).
+        # A start-up import competed for the GIL and the import locks with every call of a gateway that
+        # may never translate (minutes beside CPU-heavy work: issue 14).
         try:
             yield
         finally:
@@ -176,8 +140,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 t.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if st.pause_expiry is not None:
+                st.pause_expiry.cancel()
             with contextlib.suppress(Exception):
-                await store.r.delete(store.key("replica", settings.replica_id))
+                await store.drop_replica(settings.replica_id)
             await http.close()
             await store.close()
             if st.tracer is not None:
@@ -196,17 +162,51 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 def apply_command(st: GatewayState, cmd: ControlCommand) -> None:
-    """Apply one control command to this replica (idempotent: a repeated command changes nothing)."""
+    """Apply one control command to this replica (idempotent: a repeated command changes nothing).
+
+    A pause past its ``expires_at`` is a resume on the same policy; a pause with an expiry ends on its own
+    then (a trainer killed between pause and resume leaves no replica paused for good).
+    """
     if cmd.cmd == "pause":
-        if st.gate.pause_id != cmd.id:
+        left = None if cmd.expires_at is None else cmd.expires_at - time.time()
+        if left is not None and left <= 0:
+            _resume(st)
+        elif st.gate.pause_id != cmd.id:
             st.gate.pause(cmd.id)
+            if st.pause_expiry is not None:
+                st.pause_expiry.cancel()
+            st.pause_expiry = None if left is None else asyncio.get_running_loop().call_later(
+                left, _expire, st, cmd.id)
     else:
         if cmd.model:
             st.policy = Policy(model=cmd.model, version=cmd.version or 0)
-        if st.gate.paused:
-            if st.gate.paused_at is not None:
-                st.metrics.pause_seconds.observe(time.monotonic() - st.gate.paused_at)
-            st.gate.resume()
+        _resume(st)
+
+
+def _resume(st: GatewayState) -> None:
+    if st.pause_expiry is not None:
+        st.pause_expiry.cancel()
+        st.pause_expiry = None
+    if st.gate.paused:
+        if st.gate.paused_at is not None:
+            st.metrics.pause_seconds.observe(time.monotonic() - st.gate.paused_at)
+        st.gate.resume()
+
+
+def _expire(st: GatewayState, pause_id: str) -> None:
+    if st.gate.pause_id == pause_id:
+        log.warning("pause %s expired without a resume (its trainer died?): resuming", pause_id)
+        st.pause_expiry = None
+        _resume(st)
+
+
+async def _discover_model(st: GatewayState) -> None:
+    """Until the served model is known, ask the engines every 2 s (calls also ask, on their own)."""
+    while st.policy is None:
+        with contextlib.suppress(ApiError):
+            await current_policy(st)
+        if st.policy is None:
+            await asyncio.sleep(2.0)
 
 
 async def _sync_from_store(st: GatewayState) -> None:
@@ -248,9 +248,10 @@ async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
     """Publish this replica's status every ``heartbeat_s`` seconds, and at once on a gate change."""
     while True:
         gate = st.gate
+        policy = st.policy
         status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
-                               held=gate.held, drained_id=gate.drained_id, model=st.policy.model,
-                               version=st.policy.version)
+                               held=gate.held, drained_id=gate.drained_id, model=policy and policy.model,
+                               version=policy.version if policy else 0)
         try:
             await st.store.heartbeat(status)
             if gate.last_drain_s is not None:

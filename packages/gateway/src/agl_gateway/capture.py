@@ -2,11 +2,13 @@
 
 Pure functions over parsed JSON: token ids and logprobs are validated strictly (a record that could
 not be read back is never written), and the fields only the recorder asked for are removed from the
-agent's answer.
+agent's answer. A complete answer (:func:`capture_answer`) and a stream (:class:`StreamCapture`) give the
+same :class:`Captured`, checked the same way (:func:`check`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -116,3 +118,129 @@ def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dic
     return out
 
 
+
+
+@dataclass
+class Captured:
+    """What one engine answer gives the record: choice 0's ids, logprobs and finish reason, the usage.
+
+    ``response_logprobs`` is ``None`` unless there is exactly one per response token id.
+    """
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    response_token_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+def capture_answer(route: str, data: dict[str, Any]) -> Captured:
+    """:class:`Captured` of a complete answer (``route``: ``"chat"`` or ``"completions"``, the engine's
+    answer shape). Raises :class:`MalformedUpstream` for fields of the wrong type."""
+    usage = data.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise MalformedUpstream("'usage' is not an object")
+    return Captured(*extract_tokens(route, data), usage)
+
+
+def check(cap: Captured) -> str | None:
+    """Why the capture must not become training data, or ``None``: token ids that do not add up to the
+    engine's own ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing), or token ids without
+    one logprob each (the gateway always asks for both)."""
+    n = (cap.usage or {}).get("completion_tokens")
+    if isinstance(n, int) and not isinstance(n, bool) and n != len(cap.response_token_ids):
+        return f"token ids incomplete: {len(cap.response_token_ids)} of {n}"
+    if cap.response_token_ids and cap.response_logprobs is None:
+        return f"logprobs missing: not one per token id ({len(cap.response_token_ids)} ids)"
+    return None
+
+
+class StreamCapture:
+    """Accumulates a live chat stream (vLLM chunks with ``return_token_ids`` and ``logprobs`` on) into a
+    :class:`Captured` and the complete ``chat.completion`` the agent was sent, and cleans each chunk for
+    the agent (:meth:`feed`). Only choice 0 is captured (live streams have ``n == 1``)."""
+
+    def __init__(self, request: dict[str, Any], model: str):
+        self.request, self.model = request, model
+        self.wants_logprobs = bool(request.get("logprobs"))
+        options = request.get("stream_options")
+        self.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        self.cap = Captured()
+        self.lps: list[float] = []
+        self.text: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.first: dict[str, Any] | None = None
+
+    def feed(self, chunk: Any) -> tuple[dict[str, Any] | None, int]:
+        """Capture one parsed chunk; returns ``(chunk for the agent or None to send nothing, token ids it
+        carried)``. Raises :class:`MalformedUpstream` for a chunk of the wrong shape."""
+        if not isinstance(chunk, dict):
+            raise MalformedUpstream("a stream chunk is not an object")
+        cap = self.cap
+        self.first = self.first or chunk
+        cap.prompt_token_ids = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or cap.prompt_token_ids
+        for name in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
+            chunk.pop(name, None)
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise MalformedUpstream("'choices' is not a list of objects")
+        n_ids = 0
+        for ch in choices:
+            if ch.get("index", 0) == 0:
+                ids = int_list(ch.get("token_ids"), "token_ids")
+                n_ids += len(ids)
+                cap.response_token_ids += ids
+                lp = ch.get("logprobs") or {}
+                if not isinstance(lp, dict):
+                    raise MalformedUpstream("'logprobs' is not an object")
+                content = lp.get("content") or []
+                try:
+                    self.lps += float_list([t.get("logprob", 0.0) for t in content], "logprobs")
+                except AttributeError:
+                    raise MalformedUpstream("'logprobs.content' is not a list of objects") from None
+                delta = ch.get("delta") or {}
+                if not isinstance(delta, dict):
+                    raise MalformedUpstream("'delta' is not an object")
+                piece = delta.get("content") or ""
+                if not isinstance(piece, str):
+                    raise MalformedUpstream("'delta.content' is not a string")
+                self.text.append(piece)
+                for tc in delta.get("tool_calls") or []:
+                    if not isinstance(tc, dict):
+                        raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
+                    acc = self.tool_calls.setdefault(tc.get("index", 0), {
+                        "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                    acc["id"] = tc.get("id") or acc["id"]
+                    fn = tc.get("function") or {}
+                    acc["function"]["name"] += fn.get("name") or ""
+                    acc["function"]["arguments"] += fn.get("arguments") or ""
+                finish = ch.get("finish_reason")
+                if finish is not None and not isinstance(finish, str):
+                    raise MalformedUpstream("'finish_reason' is not a string")
+                cap.finish_reason = finish or cap.finish_reason
+            ch.pop("token_ids", None)
+            if not self.wants_logprobs:
+                ch["logprobs"] = None
+        if chunk.get("usage"):
+            if not isinstance(chunk["usage"], dict):
+                raise MalformedUpstream("'usage' is not an object")
+            cap.usage = chunk["usage"]
+            if not self.wants_usage:
+                return None, n_ids
+        if "model" in self.request:
+            chunk["model"] = self.request["model"]
+        return chunk, n_ids
+
+    def result(self) -> tuple[Captured, dict[str, Any]]:
+        """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to."""
+        cap = self.cap
+        cap.response_logprobs = self.lps if len(self.lps) == len(cap.response_token_ids) else None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[k] for k in sorted(self.tool_calls)]
+        first = self.first or {}
+        answer = {"id": first.get("id"), "object": "chat.completion", "created": first.get("created"),
+                  "model": self.request.get("model", self.model),
+                  "choices": [{"index": 0, "message": message, "finish_reason": cap.finish_reason}],
+                  "usage": cap.usage}
+        return cap, answer

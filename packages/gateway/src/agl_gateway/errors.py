@@ -29,6 +29,30 @@ def bad_request(message: str, code: str = "invalid_request") -> ApiError:
     return ApiError(400, message, "invalid_request_error", code)
 
 
+STORE_DOWN = "the gateway's store (Redis) is unavailable; retry later"
+
+
+def store_down() -> ApiError:
+    """503: Redis did not answer (nothing was recorded; retry)."""
+    return ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"})
+
+
+def engine_error(status: int, message: str) -> ApiError:
+    """An engine's non-2xx answer, mapped so that the agent can tell it from the gateway's own errors.
+
+    The engine's 400/413/422 (the request is wrong for the engine, e.g. a context that is too long) is
+    answered 400 ``upstream_rejected`` with the engine's message; its 429 is 503 ``upstream_busy`` (retry);
+    anything else (404 for an unknown model or adapter, 401, 5xx) is 502 ``upstream_error`` naming the
+    engine's status. The gateway's own 404 (unknown rollout) and 401 (key) never come from the engine.
+    """
+    if status in (400, 413, 422):
+        return ApiError(400, f"the engine rejected the request: {message}", "invalid_request_error",
+                        "upstream_rejected")
+    if status == 429:
+        return ApiError(503, f"the engine is busy: {message}", "server_error", "upstream_busy", {"Retry-After": "1"})
+    return ApiError(502, f"the engine answered {status}: {message}", "server_error", "upstream_error")
+
+
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                     502: "api_error", 503: "overloaded_error", 504: "api_error"}

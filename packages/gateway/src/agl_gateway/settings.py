@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from agl_common.settings import CommonSettings
+from agl_common.settings import CommonSettings, engine_base_urls
 from pydantic import Field
 
 
@@ -37,5 +37,4 @@ class GatewaySettings(CommonSettings):
     @property
     def upstreams_v1(self) -> list[str]:
         """The engines' OpenAI base URLs (``--upstream`` is comma-separated), each ending in ``/v1``."""
-        urls = [u.strip().rstrip("/") for u in self.upstream.split(",") if u.strip()]
-        return [u if u.endswith("/v1") else u + "/v1" for u in urls]
+        return [u + "/v1" for u in engine_base_urls(self.upstream)]

@@ -2,7 +2,8 @@
 
 The gateway forwards every translated call to the engine's chat route itself (so token ids and logprobs
 are kept: LiteLLM's SDK paths drop them), and uses LiteLLM only for the request and response shapes.
-LiteLLM takes ~4 s to import: it is loaded on first use (``warm()`` loads it in the background).
+LiteLLM takes ~4 s to import: it is loaded on first use, in a daemon thread that translated calls
+``await ready()`` for (the event loop itself never imports it).
 
 Also here: the server-sent-event encodings of a *complete* answer, used when a stream is synthesized
 from a non-streamed upstream call (Anthropic and Responses streams, chat streams with tools).
@@ -10,7 +11,10 @@ from a non-streamed upstream call (Anthropic and Responses streams, chat streams
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -35,9 +39,67 @@ def _litellm():
     return litellm, AnthropicAdapter(), LiteLLMCompletionResponsesConfig
 
 
+# The event loop never imports LiteLLM itself: an import running in another thread holds that module's
+# import lock, and a loop thread waiting on it answers nothing (not even /healthz) until the import ends:
+# seconds when idle, minutes on a machine busy with other work (measured, issue 14). Translated routes
+# ``await ready()`` first; the import runs in a daemon thread (a stopping process does not wait for it).
+_loaded = threading.Event()
+_lock = threading.Lock()
+_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+_thread: threading.Thread | None = None
+_error: BaseException | None = None
+
+
 def warm() -> None:
-    """Import LiteLLM now (call from a worker thread at start-up)."""
+    """Import LiteLLM now, in the calling thread (blocking; for tests and scripts, not the event loop)."""
     _litellm()
+    _loaded.set()
+
+
+def _import_and_wake() -> None:
+    global _error
+    try:
+        _litellm()
+    except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+        _error = exc
+    with _lock:
+        _loaded.set()
+        waiters, _waiters[:] = _waiters[:], []
+    for loop, fut in waiters:
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(_settle, fut)
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def warm_in_background() -> None:
+    """Start importing LiteLLM in a daemon thread (once); returns at once."""
+    global _thread
+    with _lock:
+        if _thread is None and not _loaded.is_set():
+            _thread = threading.Thread(target=_import_and_wake, name="litellm-import", daemon=True)
+            _thread.start()
+
+
+async def ready() -> None:
+    """Return once LiteLLM is imported, without blocking the event loop (starts the import if needed).
+
+    Raises ``RuntimeError`` if the import failed."""
+    if not _loaded.is_set():
+        warm_in_background()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with _lock:
+            if _loaded.is_set():
+                fut.set_result(None)
+            else:
+                _waiters.append((loop, fut))
+        await fut
+    if _error is not None:
+        raise RuntimeError(f"LiteLLM could not be imported: {_error!r}")
 
 
 def _dump(obj: Any) -> dict[str, Any]:

@@ -21,6 +21,13 @@ app.add_typer(gateway_app, name="gateway")
 
 RedisOpt = typer.Option(DEFAULT_REDIS_URL, "--redis", envvar="AGL_REDIS_URL", help="Redis URL")
 PrefixOpt = typer.Option(DEFAULT_PREFIX, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix")
+# train/demo: unset means "the config's value" (which defaults to the same URL and prefix)
+RunRedisOpt = typer.Option(None, "--redis", envvar="AGL_REDIS_URL", help="Redis URL (overrides the config)")
+RunPrefixOpt = typer.Option(None, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix (overrides the config)")
+
+
+def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
+    return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
 # Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=250)
 err = Console(stderr=True)
@@ -81,7 +88,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
           resume: Path = typer.Option(None, exists=True, file_okay=False,
                                       help="continue this run directory from its last checkpoint"),
           backend: str = typer.Option(None, help="cpu or verl (default: the config's `backend` field)"),
-          logger: list[str] = LoggerOpt):
+          logger: list[str] = LoggerOpt, redis: str = RunRedisOpt, prefix: str = RunPrefixOpt):
     """Train with the settings in CONFIG (missing keys take the demo defaults)."""
     from pydantic import ValidationError
 
@@ -89,6 +96,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
 
     try:
         cfg = TrainConfig.from_yaml(config)
+        cfg = cfg.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix)})
         if backend is not None:
             cfg = TrainConfig.model_validate({**cfg.model_dump(), "backend": backend})
     except (ValidationError, ValueError) as exc:
@@ -150,13 +158,14 @@ def demo(
     engine_url: str = typer.Option(None, help="use this running vLLM instead of starting one"),
     seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the mini-batches"),
     logger: list[str] = LoggerOpt,
+    redis: str = RunRedisOpt, prefix: str = RunPrefixOpt,
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
     overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
                                    "seed": seed}.items() if v is not None}
-    _run(_with_loggers(TrainConfig(**overrides), logger))
+    _run(_with_loggers(TrainConfig(**overrides, **_redis_overrides(redis, prefix)), logger))
 
 
 @app.command("eval")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import pause_and_drain, resume
+from agl_common.settings import engine_base_urls
 from agl_common.store import Store
 
 
@@ -24,7 +25,7 @@ class EngineError(RuntimeError):
 
 def engine_urls(engine_url: str) -> list[str]:
     """Engine base URLs (no ``/v1``) from a comma-separated list."""
-    return [u.strip().rstrip("/").removesuffix("/v1") for u in engine_url.split(",") if u.strip()]
+    return engine_base_urls(engine_url)
 
 
 async def load_adapter(engine_url: str, name: str, path: Path) -> None:
@@ -54,14 +55,14 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
     """Run one collocated cycle and return its timings (seconds) merged with ``update``'s stats.
 
     ``update()`` runs the optimizer step (in a worker thread); ``save(version)`` writes the adapter.
-    If anything fails after the pause, the gateway is resumed on the *old* policy before re-raising, so
+    If anything fails from the pause on (the drain timing out included), the gateway is resumed on the *old* policy before re-raising, so
     agents are never left held by a crashed trainer.
     """
     t0 = time.perf_counter()
-    replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
-    t_drained = time.perf_counter()
     name = f"policy-v{version}"
-    try:
+    try:  # the pause inside: a drain that fails or is cancelled ends resumed too
+        replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+        t_drained = time.perf_counter()
         stats = await asyncio.to_thread(update)
         path = await asyncio.to_thread(save, version)
         await load_adapter(engine_url, name, path)

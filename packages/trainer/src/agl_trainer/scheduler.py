@@ -130,7 +130,7 @@ class GroupScheduler:
         await self.start()
         started = 0
         while len(self.active) < self.active_groups:
-            n = await self.store.r.incr(self.store.key("groups", self.tag)) - 1
+            n = await self.store.next_group_number(self.tag)
             tag = f"{self.tag}-q{n}"
             ids = await create_rollouts(self.store, [self._next_input()], self.group_size, tag, version)
             group = Group(f"{tag}-g0", ids, version)

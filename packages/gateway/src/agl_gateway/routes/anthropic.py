@@ -6,14 +6,16 @@ Streams are synthesized from one non-streamed upstream call (so ids and logprobs
 
 from __future__ import annotations
 
-import aiohttp
-import orjson
 from fastapi import APIRouter, Request
 
-from ..engines import NoEngine
+from .. import translate
+from ..body import read_json
 from ..errors import ApiError
-from ..proxy import RouteSpec, model_call, read_json, resolve_identity, state_of
+from ..identity import resolve_identity
+from ..pipeline import RouteSpec, model_call
+from ..state import state_of
 from ..translate import anthropic_sse, anthropic_to_chat, chat_to_anthropic
+from ..upstream import call_json, current_policy
 
 router = APIRouter()
 
@@ -32,16 +34,11 @@ async def count_tokens(request: Request):
     st = state_of(request)
     body = await read_json(request, st.settings.max_body_bytes)
     ident = await resolve_identity(request, st)
+    await translate.ready()
     chat = anthropic_to_chat({"max_tokens": 1, **body})
-    try:
-        url = st.engines.pick(ident.rollout_id).removesuffix("/v1") + "/tokenize"
-        payload = {"model": st.policy.model, "messages": chat["messages"],
-                   **({"tools": chat["tools"]} if chat.get("tools") else {})}
-        async with st.http.post(url, data=orjson.dumps(payload), headers={"content-type": "application/json"}) as resp:
-            status, content = resp.status, await resp.read()
-        count = orjson.loads(content)["count"]
-        if status != 200 or type(count) is not int:
-            raise ValueError("no token count")
-    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, NoEngine):  # TypeError: not an object
-        raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error") from None
+    payload = {"model": (await current_policy(st)).model, "messages": chat["messages"],
+               **({"tools": chat["tools"]} if chat.get("tools") else {})}
+    count = (await call_json(st, ident.rollout_id, "/tokenize", payload, under_v1=False)).get("count")
+    if type(count) is not int:
+        raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error")
     return {"input_tokens": count}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from agl_common.auth import key_allows
 from fastapi import APIRouter, Request
 
-from ..errors import ApiError
-from ..proxy import RouteSpec, model_call, presented_key, state_of
+from ..identity import authorize
+from ..pipeline import RouteSpec, model_call
+from ..state import state_of
 from ..translate import chat_sse
+from ..upstream import current_policy
 
 router = APIRouter()
 
@@ -32,12 +33,9 @@ async def completions(request: Request):
 @router.get("/models")
 async def models(request: Request):
     """The served model name. With a key configured: the admin key, or the scoped key of the rollout
-    attempt named by the path (or the ``X-AGL-Rollout-Id`` / ``X-AGL-Attempt-Id`` headers)."""
+    attempt named by the path or the ``X-AGL-Rollout-Id`` (and optional ``X-AGL-Attempt-Id``) headers,
+    checked as a model call's key is. Unknown until an engine answers: 502."""
     st = state_of(request)
-    if st.settings.key:
-        rid = request.path_params.get("rollout_id") or request.headers.get("x-agl-rollout-id")
-        aid = request.path_params.get("attempt_id") or request.headers.get("x-agl-attempt-id")
-        if not key_allows(st.settings.key, presented_key(request), rid, aid):
-            raise ApiError(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
-    names = [st.settings.model or st.policy.model]
+    await authorize(request, st)
+    names = [st.settings.model or (await current_policy(st)).model]
     return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "agl"} for n in names]}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import aiohttp
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..proxy import state_of
+from ..state import state_of
+from ..upstream import probe
 
 router = APIRouter()
 
@@ -19,7 +19,8 @@ async def healthz():
 
 @router.get("/readyz")
 async def readyz(request: Request):
-    """200 when Redis answers PING and the engine answers ``GET /v1/models``; 503 otherwise."""
+    """200 when Redis answers PING and an engine answers ``GET /v1/models``; 503 otherwise. The probe
+    only reports: an engine it cannot reach is not taken out of service for live calls."""
     st = state_of(request)
     checks = {}
     try:
@@ -28,13 +29,7 @@ async def readyz(request: Request):
         checks["redis"] = False
     checks["upstream"] = False
     for url in st.engines.urls:  # ready when at least one engine answers
-        try:
-            async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError):
-            st.engines.mark_down(url)
-            continue
-        if status == 200:
+        if await probe(st, url):
             checks["upstream"] = True
             break
     ok = all(checks.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ..proxy import RouteSpec, model_call
+from ..pipeline import RouteSpec, model_call
 from ..translate import chat_to_responses, responses_sse, responses_to_chat
 
 router = APIRouter()

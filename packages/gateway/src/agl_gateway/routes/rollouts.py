@@ -9,8 +9,10 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from ..errors import ApiError, bad_request
-from ..proxy import STORE_DOWN, read_json, resolve_identity, state_of
+from ..body import read_json
+from ..errors import ApiError, bad_request, store_down
+from ..identity import resolve_identity
+from ..state import state_of
 
 router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
 
@@ -40,7 +42,7 @@ async def reward(request: Request):
     try:
         await st.store.update_rollout(ident.rollout_id, change)
     except RedisError:
-        raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
+        raise store_down() from None
     return {"rollout_id": ident.rollout_id, "attempt_id": ident.attempt_id, "reward": body.value}
 
 
@@ -52,5 +54,5 @@ async def events(request: Request):
     try:
         entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data)
     except RedisError:
-        raise ApiError(503, STORE_DOWN, "server_error", "store_unavailable", {"Retry-After": "1"}) from None
+        raise store_down() from None
     return {"id": entry}

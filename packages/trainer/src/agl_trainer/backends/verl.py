@@ -291,8 +291,8 @@ class VerlCollocatedCycle:
         model: the served model name passed to ``resume``.
     Each callable may be sync (run in a worker thread) or async.
 
-    On failure after the pause: if the engine was put to sleep it is woken (errors of that wake are
-    suppressed), the gateway is resumed on the *old* policy, and the error is re-raised, so agents are
+    On failure from the pause on (a drain that times out included): if the engine was put to sleep it
+    is woken (errors of that wake are suppressed), the gateway is resumed on the *old* policy, and the error is re-raised, so agents are
     never left held by a crashed trainer. A failure in ``sync`` leaves the engine with partly updated
     weights: the version is not advanced, and the caller must re-sync before training on.
     """
@@ -308,11 +308,11 @@ class VerlCollocatedCycle:
         ``sleep_s``, ``update_s``, ``sync_s``, ``wake_s``, ``cycle_s`` (seconds) and ``replicas``."""
         t0 = time.perf_counter()
         times: dict[str, float] = {}
-        replicas = await _call(self.pause)
-        self.events.append("drained")
-        times["drain_s"] = time.perf_counter() - t0
         asleep = False
-        try:
+        try:  # the pause inside: a drain that fails ends resumed too
+            replicas = await _call(self.pause)
+            self.events.append("drained")
+            times["drain_s"] = time.perf_counter() - t0
             t = time.perf_counter()
             await _call(self.sleep)
             asleep = True

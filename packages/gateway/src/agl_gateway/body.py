@@ -1,0 +1,39 @@
+"""The agent's request body: read with a size bound, parsed as one JSON object of bounded depth."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from .capture import MAX_JSON_DEPTH, too_deep
+from .errors import ApiError, bad_request
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object. Raises ``ApiError`` 413 (over ``max_bytes`` bytes) or 400 (not a
+    JSON object, nested deeper than :data:`MAX_JSON_DEPTH`, or the agent went away mid-body)."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > max_bytes:
+        raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error", "body_too_large")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error",
+                               "body_too_large")
+    except ClientDisconnect:  # the agent went away mid-body: nothing to answer, nothing forwarded
+        raise bad_request("client disconnected before sending the whole body", "client_disconnected") from None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    # fewer brackets than the limit in the whole text: cannot nest deeper (brackets in strings only add)
+    if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and too_deep(data):
+        raise bad_request(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    return data

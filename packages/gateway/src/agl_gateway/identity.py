@@ -1,0 +1,135 @@
+"""Which rollout attempt a request belongs to, and whether its key may act for it.
+
+Two forms name the attempt: the path (``/rollouts/{rid}/attempts/{aid}/...``) and the headers
+``X-AGL-Rollout-Id`` / ``X-AGL-Attempt-Id`` (the path wins). Both give the same ids: header values are
+decoded as UTF-8 (HTTP hands them over as bytes; Starlette decodes Latin-1), path segments are
+percent-decoded UTF-8. An attempt id is a canonical decimal (``0``, ``1``, ``12``; not ``01``).
+
+With a key configured every route answers a key it cannot verify with 401, before saying anything
+about whether the rollout exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from agl_common.auth import key_allows
+from agl_common.schemas import TERMINAL, Rollout, RolloutStatus
+from agl_common.store import RolloutNotFound
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from .errors import ApiError, bad_request, store_down
+from .state import GatewayState
+
+log = logging.getLogger("agl.gateway")
+
+
+@dataclass
+class Identity:
+    """Which rollout attempt a request belongs to."""
+
+    rollout_id: str
+    attempt_id: str
+    rollout: Rollout
+
+
+def presented_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def _header(request: Request, name: str) -> str | None:
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:  # (every str Starlette gives encodes to Latin-1: it decoded it so)
+        raise bad_request(f"header {name} is not UTF-8", "invalid_header") from None
+
+
+def named_attempt(request: Request) -> tuple[str | None, str | None]:
+    """``(rollout_id, attempt_id)`` as named by the path or else the headers; ``None`` where not named.
+
+    Raises ``ApiError`` 400 for an attempt id that is not a canonical decimal or a header that is not UTF-8.
+    """
+    params = request.path_params
+    rid = params.get("rollout_id") or _header(request, "x-agl-rollout-id")
+    aid = params.get("attempt_id") or _header(request, "x-agl-attempt-id")
+    # ASCII digits only ("²" and "٣" are str.isdigit), no leading zero ("01" is not attempt 1's name)
+    if aid is not None and not (aid.isascii() and aid.isdigit() and (aid == "0" or aid[0] != "0")):
+        raise bad_request(f"attempt id must be a decimal without leading zeros, got {aid!r}", "invalid_attempt")
+    return rid or None, aid
+
+
+def _bad_key() -> ApiError:
+    return ApiError(401, "invalid API key for this rollout attempt", "authentication_error", "invalid_api_key")
+
+
+async def resolve_identity(request: Request, st: GatewayState, create: bool = True) -> Identity:
+    """Rollout and attempt of the request, checked against the store and the key.
+
+    ``create``: with ``--open``, create a rollout named for the first time (model calls do; ``/v1/models``
+    does not). Raises ``ApiError``: 400 (no rollout id, bad attempt id), 401 (missing key, or a key that is
+    neither the admin key nor the attempt's scoped key: also when the rollout does not exist), 404 (unknown
+    rollout, to a caller holding a valid key), 409 (stale attempt), 503 (Redis down).
+    """
+    rid, aid = named_attempt(request)
+    if not rid:
+        raise bad_request("no rollout: use /rollouts/{id}/attempts/{n}/v1 or the X-AGL-Rollout-Id header",
+                          "missing_rollout")
+    key, presented = st.settings.key, presented_key(request)
+    if key and not presented:
+        raise ApiError(401, "missing API key", "authentication_error", "invalid_api_key")
+    if key and aid is not None and not key_allows(key, presented, rid, aid):
+        raise _bad_key()  # before any lookup: a wrong key learns nothing about which rollouts exist
+    try:
+        try:
+            rollout = await st.store.get_rollout(rid)
+        except RolloutNotFound:
+            if key and aid is None and not key_allows(key, presented, None, None):
+                raise _bad_key() from None  # unverifiable without the attempt: the same 401 as a wrong key
+            if not (st.settings.open and create):
+                raise ApiError(404, f"unknown rollout {rid!r}", "not_found_error", "rollout_not_found") from None
+            try:
+                rollout = await st.store.create_rollout(
+                    Rollout(rollout_id=rid, attempt_id=aid or "0", status=RolloutStatus.running,
+                            started_at=time.time()), enqueue=False)
+            except ValueError:  # created concurrently by another call
+                rollout = await st.store.get_rollout(rid)
+    except RedisError as exc:
+        log.warning("store unavailable while resolving %r: %r", rid, exc)
+        raise store_down() from None
+    if aid is None:
+        aid = rollout.attempt_id
+    if key and not key_allows(key, presented, rid, aid):
+        raise _bad_key()
+    if aid != rollout.attempt_id:
+        raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (current attempt: {rollout.attempt_id})",
+                       "conflict_error", "stale_attempt")
+    return Identity(rid, aid, rollout)
+
+
+async def authorize(request: Request, st: GatewayState) -> None:
+    """The key check of a route that acts for no rollout in particular (``GET /v1/models``): the admin
+    key, or the scoped key of the attempt the path or headers name (resolved as model calls resolve it).
+    Without a configured key, everyone. Raises ``ApiError`` 401 (and what :func:`resolve_identity` raises)."""
+    key = st.settings.key
+    if not key or key_allows(key, presented_key(request), None, None):
+        return
+    rid, _ = named_attempt(request)
+    if not rid:
+        raise ApiError(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
+    await resolve_identity(request, st, create=False)
+
+
+def check_callable(ident: Identity) -> None:
+    """Model calls are accepted only while the rollout is queuing or running (409 otherwise)."""
+    if ident.rollout.status in TERMINAL:
+        raise ApiError(409, f"rollout {ident.rollout_id!r} is {ident.rollout.status.value}", "conflict_error",
+                       "rollout_finished")

@@ -1,0 +1,251 @@
+"""One model call, for every route and mode: identity → gate → forward → capture and check → record → reply.
+
+1. Parse the body (400/413), resolve the rollout attempt and check the key (:mod:`.identity`: 400, 401,
+   404, 409; ``--open`` creates the rollout).
+2. Pass the pause gate (held while paused; 503 after ``max_hold``).
+3. Forward to the rollout's engine with ``return_token_ids`` and ``logprobs`` forced on
+   (:mod:`.upstream`: failover between engines, one error mapping: 400/502/503/504).
+4. Capture ids and logprobs and check them (:mod:`.capture`): a capture that cannot be trained on is
+   recorded with ``status: error``, and the agent still gets its answer.
+5. Record to Redis (:mod:`.recording`; 503 if Redis fails), before the agent has the whole answer.
+6. Reply. An answer cut by a weight update (``finish_reason: abort``) is recorded and the call is retried
+   once the gate reopens (at most :data:`MAX_ABORT_RETRIES` tries), as long as the agent has seen nothing.
+
+The reply is delivered as JSON, as a stream synthesized from the complete answer (Anthropic, Responses,
+chat with tools or ``n > 1``), or live (:mod:`.streaming`, chat with ``stream: true``): the same pipeline
+in each case, run in its own task for a live stream so that an agent that goes away still leaves a record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from . import translate
+from .body import read_json
+from .capture import MAX_JSON_DEPTH, Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, too_deep
+from .errors import ApiError, bad_request
+from .gate import GateClosed, HeldTooLong
+from .identity import Identity, check_callable, resolve_identity
+from .recording import fill, new_record, observe, write, write_failure
+from .state import GatewayState, state_of
+from .streaming import DONE, LiveRelay, RelayResponse, read_stream
+from .upstream import call_json, current_policy
+
+log = logging.getLogger("agl.gateway")
+
+
+@dataclass
+class RouteSpec:
+    """How one model route maps onto the engine's OpenAI routes.
+
+    ``path``: the engine route (under ``/v1``); ``force``: fields forced on upstream so that every call
+    can be trained on; ``to_upstream`` translates the agent's body into the engine's (None: pass
+    through); ``to_agent`` translates the engine's answer back; ``sse`` encodes a complete answer as a
+    stream; ``live_stream``: chat streams are relayed live (without tools, ``n == 1``).
+    """
+
+    route: str
+    path: str
+    force: dict[str, Any]
+    to_upstream: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    to_agent: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    sse: Callable[[dict[str, Any], dict[str, Any]], Iterator[bytes]] | None = None
+    live_stream: bool = False
+
+
+#: Upstream answers that were cut by a weight update: never handed to the agent as a normal answer.
+ABORTED = {"abort"}
+MAX_ABORT_RETRIES = 3
+
+
+async def enter_gate(st: GatewayState) -> None:
+    """Take a slot in the pause gate (pair with ``st.gate.leave()``); ``ApiError`` 503 if held too long
+    or the gateway is shutting down."""
+    try:
+        await st.gate.enter()
+    except HeldTooLong:
+        raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
+                       "server_error", "paused", {"Retry-After": "5"}) from None
+    except GateClosed:
+        raise ApiError(503, "gateway shutting down; retry (another replica, or this one once restarted)",
+                       "server_error", "shutting_down", {"Retry-After": "1"}) from None
+
+
+def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
+    """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
+    ``ApiError`` 400 if it cannot be made."""
+    upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
+    if not isinstance(upstream.get("messages", []), list):
+        raise bad_request("'messages' must be a list")
+    if not isinstance(body.get("model", ""), str):
+        raise bad_request("'model' must be a string")
+    if spec.to_upstream:
+        try:  # a translated body must be forwardable (chat/completions bodies are parsed JSON already)
+            orjson.dumps(upstream)
+        except TypeError as exc:
+            raise bad_request(f"request cannot be translated for the engine: {exc}") from None
+    for name in ("stream", "stream_options"):
+        upstream.pop(name, None)
+    upstream.update(spec.force)
+    return upstream
+
+
+async def model_call(request: Request, spec: RouteSpec) -> Response:
+    """The full path of one call on a model route; returns the agent's answer (JSON or SSE)."""
+    st = state_of(request)
+    t_call = time.perf_counter()
+    body = await read_json(request, st.settings.max_body_bytes)
+    ident = await resolve_identity(request, st)
+    check_callable(ident)
+    if spec.to_upstream is not None:
+        await translate.ready()  # LiteLLM is imported off the event loop
+    upstream = upstream_body(spec, body)
+    stream = bool(body.get("stream"))
+    if stream and not (spec.sse or spec.live_stream):
+        raise bad_request(f"stream=true is not supported on the {spec.route} route", "stream_unsupported")
+    call = Call(st, ident, spec, body, upstream, t_call)
+    if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
+        relay = LiveRelay()
+        task = asyncio.create_task(call.run_live(relay))
+        st.tasks.add(task)
+        task.add_done_callback(st.tasks.discard)
+        try:
+            await relay.started  # an error before the first event is raised here: its own status
+        except asyncio.CancelledError:
+            relay.agent_gone()
+            raise
+        return RelayResponse(relay)
+    out = await call.run(None, sse=stream)
+    if isinstance(out, list):
+        return StreamingResponse(iter(out), media_type="text/event-stream")
+    return Response(out, media_type="application/json")
+
+
+class Call:
+    """One call going through the pipeline (see the module docstring)."""
+
+    def __init__(self, st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
+                 upstream: dict[str, Any], t_call: float):
+        self.st, self.ident, self.spec, self.body, self.upstream, self.t_call = st, ident, spec, body, upstream, t_call
+
+    async def run_live(self, relay: LiveRelay) -> None:
+        """:meth:`run` as the task of a live stream: every outcome ends the relay."""
+        try:
+            await self.run(relay)
+        except ApiError as err:
+            relay.fail(err)
+        except asyncio.CancelledError:
+            relay.fail(ApiError(503, "gateway shutting down", "server_error", "shutting_down", {"Retry-After": "1"}))
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: answered 500, logged
+            log.exception("live stream failed")
+            relay.fail(ApiError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error"))
+
+    async def run(self, relay: LiveRelay | None, sse: bool = False) -> bytes | list[bytes] | None:
+        """Gate → forward (abort retries) → capture and check → record. Returns the encoded answer
+        (JSON bytes, or SSE events with ``sse``); with a ``relay``, delivers to it and returns ``None``.
+        Raises ``ApiError``."""
+        st = self.st
+        waited = 0.0  # seconds held by a pause or spent on aborted tries: not added by the gateway
+        for _ in range(MAX_ABORT_RETRIES):
+            t_gate = time.perf_counter()
+            await enter_gate(st)
+            waited += time.perf_counter() - t_gate
+            try:
+                policy = await current_policy(st)
+                rec = new_record(self.ident.rollout_id, self.ident.attempt_id, self.spec.route, self.body, policy)
+                payload = {**self.upstream, "model": policy.model}
+                t0 = time.perf_counter()
+                try:
+                    if relay is None:
+                        cap, answer, out = self._complete(await call_json(st, self.ident.rollout_id, self.spec.path,
+                                                                          payload), sse)
+                        tail: list[bytes] = []
+                    else:
+                        got = await self._stream(relay, payload, rec, t0)
+                        if got is None:  # the agent went away: recorded as abandoned
+                            return None
+                        cap, answer, tail = got
+                        out = None
+                except ApiError as err:
+                    await write_failure(st, rec, err, t0)
+                    raise
+                upstream_s = time.perf_counter() - t0
+                if cap.finish_reason in ABORTED:
+                    aborted = ApiError(503, "upstream aborted the request (weight update); retry", "server_error",
+                                       "upstream_aborted", {"Retry-After": "1"})
+                    if relay is None or relay.sent == 0:  # the agent saw nothing: retry once the gate reopens
+                        await write_failure(st, rec, aborted, t0)
+                        waited += time.perf_counter() - t0
+                        continue
+                    fill(rec, cap, answer, t0, error=f"{aborted.status} {aborted.code}: {aborted.message}")
+                    await write(st, rec)
+                    relay.fail(aborted)
+                    return None
+                fill(rec, cap, answer, t0)
+                await write(st, rec)
+                observe(st, rec)
+                st.metrics.route(st.metrics.added_seconds, self.spec.route).observe(
+                    time.perf_counter() - self.t_call - waited - upstream_s)
+            finally:
+                st.gate.leave()
+            if relay is not None:
+                relay.end(tail + [DONE])
+            return out
+        raise ApiError(503, f"upstream aborted the request {MAX_ABORT_RETRIES} times", "server_error",
+                       "upstream_aborted", {"Retry-After": "5"})
+
+    def _complete(self, data: dict[str, Any], sse: bool) -> tuple[Captured, dict[str, Any] | None, Any]:
+        """Capture of a complete answer, the agent's answer and its encoding (encoded now, so that nothing
+        can fail once the agent's answer has started); ``ApiError`` 502 for a malformed answer."""
+        spec, body = self.spec, self.body
+        try:
+            cap = capture_answer("completions" if spec.path == "/completions" else "chat", data)
+            if cap.finish_reason in ABORTED:
+                return cap, None, None
+            answer = agent_view(spec.route, data, body)
+            if spec.to_agent:
+                answer = spec.to_agent(answer, body)
+            if too_deep(answer):
+                raise MalformedUpstream(f"answer nested deeper than {MAX_JSON_DEPTH} levels")
+            out = list(spec.sse(answer, body)) if sse and spec.sse else orjson.dumps(answer)
+        except Exception as exc:  # noqa: BLE001 -- wrong types from the engine, or LiteLLM refusing its answer
+            raise ApiError(502, f"upstream engine sent a malformed answer ({type(exc).__name__}: {exc})"[:500],
+                           "server_error", "upstream_error") from None
+        return cap, answer, out
+
+    async def _stream(self, relay: LiveRelay, payload: dict[str, Any], rec: dict[str, Any],
+                      t0: float) -> tuple[Captured, dict[str, Any], list[bytes]] | None:
+        """Relay the engine's stream (:func:`read_stream`, in its own task so that the agent going away can
+        stop it); returns the capture, the complete answer and the held-back events, or ``None`` once a
+        call the agent abandoned is recorded (with what was captured, ``status: error``)."""
+        sc = StreamCapture(self.body, payload["model"])
+        reader = asyncio.create_task(read_stream(
+            self.st, self.ident.rollout_id, self.spec.path,
+            {**payload, "stream": True, "stream_options": {"include_usage": True}}, sc, relay))
+        relay.reader = reader
+        if relay.gone:
+            reader.cancel()
+        try:
+            tail = await reader
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not relay.gone or (task is not None and task.cancelling()):
+                raise
+            cap, answer = sc.result()
+            fill(rec, cap, answer, t0, error=f"abandoned: the agent closed the stream after {relay.sent} events")
+            await write(self.st, rec)
+            return None
+        finally:
+            relay.reader = None
+        cap, answer = sc.result()
+        return cap, answer, tail

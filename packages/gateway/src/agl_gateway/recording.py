@@ -1,0 +1,79 @@
+"""The :class:`CallRecord` of one call: built as a plain dict, written to Redis before the agent's answer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from agl_common.schemas import CallRecord, Policy
+from redis.exceptions import RedisError
+
+from .capture import Captured, check
+from .errors import ApiError, store_down
+from .state import GatewayState
+
+log = logging.getLogger("agl.gateway")
+
+
+def new_record(rollout_id: str, attempt_id: str, route: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
+    """A :class:`CallRecord` as a plain dict, its fields in the model's order (see :func:`write`)."""
+    return {"rollout_id": rollout_id, "attempt_id": attempt_id, "seq": -1, "route": route,
+            "request": body, "response": None, "prompt_token_ids": [], "response_token_ids": [],
+            "response_logprobs": None, "finish_reason": None, "model_version": policy.version,
+            "model": policy.model, "latency_ms": 0.0, "status": "ok", "error": None, "started_at": time.time(),
+            "ended_at": 0.0}
+
+
+def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0: float,
+         error: str | None = None) -> None:
+    """Put what was captured into ``rec``; ``status`` is ``error`` with ``error`` set, or with what
+    :func:`check` finds wrong with the capture (never trained on), else ``ok``. ``t0``: perf_counter at
+    the upstream call's start (for ``latency_ms``)."""
+    rec["response"] = response
+    rec["prompt_token_ids"], rec["response_token_ids"] = cap.prompt_token_ids, cap.response_token_ids
+    rec["response_logprobs"], rec["finish_reason"] = cap.response_logprobs, cap.finish_reason
+    error = error or check(cap)
+    if error:
+        rec["status"], rec["error"] = "error", error
+    rec["latency_ms"] = (time.perf_counter() - t0) * 1000
+    rec["ended_at"] = time.time()
+
+
+async def write(st: GatewayState, rec: dict[str, Any]) -> None:
+    """Write the record to Redis (before the agent gets its answer); ``ApiError`` 503 if Redis does not
+    acknowledge it.
+
+    One ``orjson.dumps`` of the :func:`new_record` dict gives the :class:`CallRecord` JSON (same fields,
+    same order, ``"seq":-1`` third, replaced by the store's script), without building the model.
+    """
+    t0 = time.perf_counter()
+    try:
+        payload = orjson.dumps(rec)
+    except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
+        payload = CallRecord.model_validate(rec).model_dump_json().encode()
+    try:
+        seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload)
+    except RedisError as exc:
+        log.warning("record of %s/%s not written: %r", rec["rollout_id"], rec["attempt_id"], exc)
+        raise store_down() from None
+    st.metrics.record_seconds.observe(time.perf_counter() - t0)
+    if st.tracer is not None:  # one OpenTelemetry span per recorded call (agl_gateway.otel)
+        st.tracer.emit(rec, seq)
+
+
+async def write_failure(st: GatewayState, rec: dict[str, Any], err: ApiError, t0: float) -> None:
+    """Record a call that failed with ``err`` (status ``error``); ``ApiError`` 503 if Redis is down."""
+    rec["status"], rec["error"] = "error", f"{err.status} {err.code}: {err.message}"
+    rec["latency_ms"] = (time.perf_counter() - t0) * 1000
+    rec["ended_at"] = time.time()
+    await write(st, rec)
+
+
+def observe(st: GatewayState, rec: dict[str, Any]) -> None:
+    """Count a recorded call in the metrics (upstream latency, tokens in and out)."""
+    m = st.metrics
+    m.route(m.upstream_seconds, rec["route"]).observe(rec["latency_ms"] / 1000)
+    m.tokens_in.inc(len(rec["prompt_token_ids"]))
+    m.tokens_out.inc(len(rec["response_token_ids"]))

@@ -1,0 +1,142 @@
+"""The one way the gateway calls an engine, and the one mapping of what can go wrong.
+
+:func:`engine_call` picks the rollout's engine (:class:`Engines`: pinned, healthy ones only), fails over
+to the next one when a connection cannot be made (nothing was sent), and maps every failure to an
+:class:`ApiError`: 504 on a timeout, 502 when no engine can be reached or a connection breaks, the
+engine's own non-2xx answers through :func:`engine_error`. Model discovery and the readiness probe are
+here too, and neither takes engines out of service for live traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import orjson
+from agl_common.schemas import Policy
+
+from .engines import NoEngine
+from .errors import ApiError, engine_error
+from .state import GatewayState
+
+log = logging.getLogger("agl.gateway")
+
+JSON_HEADERS = {"content-type": "application/json"}
+DISCOVERY_TIMEOUT_S = 5.0
+
+
+def _engine_message(status: int, content: bytes) -> str:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        msg = (err.get("message") if isinstance(err, dict) else err) or data.get("message") or data.get("detail")
+        if msg:
+            return str(msg)[:1000]
+    return f"status {status}"
+
+
+@asynccontextmanager
+async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: bytes,
+                      under_v1: bool = True) -> AsyncIterator[aiohttp.ClientResponse]:
+    """POST ``payload`` (JSON bytes) to ``{engine}/v1{path}`` (``under_v1=False``: ``{engine}{path}``) and
+    yield the engine's 2xx response, body unread; released on exit.
+
+    Raises ``ApiError`` (also for failures while the caller reads the body inside the ``with``): 502
+    ``upstream_unreachable`` (no engine could be connected to, or a connection broke), 504
+    ``upstream_timeout``, or :func:`engine_error` for a non-2xx answer.
+    """
+    tried: set[str] = set()
+    try:
+        while True:
+            try:
+                base = st.engines.pick(rollout_id, tried)
+            except NoEngine:
+                raise ApiError(502, "no upstream engine reachable", "server_error", "upstream_unreachable") from None
+            tried.add(base)
+            url = base + path if under_v1 else base.removesuffix("/v1") + path
+            try:
+                resp = await st.http.post(url, data=payload, headers=JSON_HEADERS)
+                break
+            except aiohttp.ClientConnectorError:  # nothing was sent: the next engine may take it
+                st.engines.mark_down(base)
+        try:
+            if resp.status >= 300:
+                raise engine_error(resp.status, _engine_message(resp.status, await resp.read()))
+            yield resp
+        finally:
+            resp.release()
+    except TimeoutError:
+        raise ApiError(504, "upstream engine timed out", "server_error", "upstream_timeout") from None
+    except aiohttp.ClientError as exc:
+        raise ApiError(502, f"upstream engine failed: {type(exc).__name__}", "server_error",
+                       "upstream_unreachable") from None
+
+
+async def call_json(st: GatewayState, rollout_id: str, path: str, body: dict[str, Any],
+                    under_v1: bool = True) -> dict[str, Any]:
+    """:func:`engine_call` for a complete JSON answer; returns it parsed. Raises ``ApiError`` as
+    :func:`engine_call` does, and 502 ``upstream_error`` for a 2xx answer that is not a JSON object."""
+    async with engine_call(st, rollout_id, path, orjson.dumps(body), under_v1) as resp:
+        status, content = resp.status, await resp.read()
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise ApiError(502, f"upstream engine answered {status} without a JSON object", "server_error",
+                       "upstream_error")
+    return data
+
+
+async def served_model(st: GatewayState, url: str, timeout_s: float) -> str:
+    """The first model id of ``GET {url}/models`` (``url`` ends in ``/v1``). Raises ``aiohttp.ClientError``,
+    ``TimeoutError``, ``ValueError`` (no model listed)."""
+    async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        data = await resp.json(content_type=None) if resp.status == 200 else None
+    try:
+        name = data["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        raise ValueError(f"GET {url}/models listed no model") from None
+    if not isinstance(name, str):
+        raise ValueError(f"GET {url}/models listed a model id that is not a string")
+    return name
+
+
+async def current_policy(st: GatewayState) -> Policy:
+    """The policy new calls are served by. Until one is known (no ``--model``, no stored policy, no resume
+    with a model), the engines are asked for their served model (one asker at a time); the first answer
+    is kept. Raises ``ApiError`` 502 ``upstream_unreachable`` if no engine answers (the call is not sent
+    under a made-up model name)."""
+    policy = st.policy
+    if policy is not None:
+        return policy
+    async with st.discovery:
+        if st.policy is None:
+            for url in st.engines.urls:
+                try:
+                    name = await served_model(st, url, DISCOVERY_TIMEOUT_S)
+                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    log.warning("model discovery at %s failed: %r", url, exc)
+                    continue
+                if st.policy is None:  # (a resume may have set one meanwhile)
+                    st.policy = Policy(model=name)
+                break
+        if st.policy is None:
+            raise ApiError(502, "no engine answered GET /v1/models: the served model is unknown (start the "
+                           "engine, or give the gateway --model)", "server_error", "upstream_unreachable")
+        return st.policy
+
+
+async def probe(st: GatewayState, url: str, timeout_s: float = 2.0) -> bool:
+    """True if ``GET {url}/models`` answers 200 (readiness). Reports only: the engine is not marked down."""
+    try:
+        async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
