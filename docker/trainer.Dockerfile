@@ -32,9 +32,9 @@ RUN python3 -m venv /opt/agl \
         "torch==2.13.0+cpu" /tmp/agl-src/common /tmp/agl-src/trainer \
     && /opt/agl/bin/python -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'" \
     && ! /opt/agl/bin/pip list --format=freeze | grep -iE '^(nvidia-|triton|vllm)' \
-    && /opt/agl/bin/pip uninstall -y pip setuptools \
     && rm -rf /tmp/agl-src \
     && find /opt/agl -name __pycache__ -prune -exec rm -rf {} +
+# pip stays: images built on this one (docker/vllm-cpu.Dockerfile) install into /opt/agl with it.
 ENV PATH=/opt/agl/bin:$PATH
 
 WORKDIR /home/agl

@@ -8,8 +8,9 @@
 #    install Debian's docker.io if dockerd is missing, then start dockerd as root with its own data root,
 #    exec root, socket and pid file, without iptables, IP forwarding, masquerading or a bridge (containers
 #    and builds run with --network host; nothing leaves loopback), overlay2 storage. The engine keeps
-#    running after this script (its images are the cache between test steps); stop it with
-#    `kill "$(cat $AGL_DOCKER_DIR/dockerd.pid)"`.
+#    running after this script and says so on stderr ("started dockerd (pid N, pid file F)"); stop it with
+#    `kill "$(cat $AGL_DOCKER_DIR/dockerd.pid)"` (tests/dockerkit.py does at the end of the session). Its
+#    images stay in the data root: the next start has them (the build cache between test steps and runs).
 # Exit status 2 (and the reason on stderr) when no engine can run here (not root, no dockerd and no apt).
 set -euo pipefail
 DIR="${AGL_DOCKER_DIR:-/var/lib/agl-docker}"
@@ -46,7 +47,7 @@ setsid dockerd --data-root "$DIR/data" --exec-root "$DIR/exec" -H "$SOCK" --pidf
   --iptables=false --ip-forward=false --ip-masq=false --bridge=none --storage-driver=overlay2 \
   >"$DIR/dockerd.log" 2>&1 < /dev/null &
 for _ in $(seq 120); do
-  if answers "$SOCK"; then echo "$SOCK"; exit 0; fi
+  if answers "$SOCK"; then echo "started dockerd (pid $(cat "$DIR/dockerd.pid"), pid file $DIR/dockerd.pid)" >&2; echo "$SOCK"; exit 0; fi
   sleep 0.5
 done
 echo "dockerd did not answer on $SOCK within 60 s; its log:" >&2

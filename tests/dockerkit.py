@@ -14,7 +14,9 @@ import functools
 import glob
 import http.server
 import os
+import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -39,6 +41,7 @@ class Docker:
         self.workdir = workdir
         self.times: dict[str, float] = {}
         self.containers: list[str] = []
+        self.pidfile: Path | None = None
 
     @classmethod
     def start(cls, workdir: Path) -> "Docker":
@@ -53,6 +56,8 @@ class Docker:
         assert res.returncode == 0, res.stderr
         d = cls(res.stdout.strip().splitlines()[-1], workdir)
         d.times["engine"] = time.monotonic() - t0
+        if m := re.search(r"started dockerd \(pid \d+, pid file (\S+)\)", res.stderr):
+            d.pidfile = Path(m[1])  # ours to stop at the end (its images stay on disk: the next start has them)
         return d
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True, nice: bool = False
@@ -115,9 +120,23 @@ class Docker:
         return res.stdout + res.stderr
 
     def cleanup(self) -> None:
+        """Remove our containers; stop the engine if we started it (AGL_KEEP_DOCKER=1 keeps it running)."""
         for name in self.containers:
             self("rm", "-f", name, check=False)
         self.containers.clear()
+        if self.pidfile is not None and not os.environ.get("AGL_KEEP_DOCKER"):
+            try:
+                pid = int(self.pidfile.read_text())
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError):
+                return
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.2)
 
 
 @functools.lru_cache(maxsize=1)

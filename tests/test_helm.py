@@ -131,7 +131,7 @@ def test_gateway_renders_offline_with_external_redis_by_default(helm):
 
 
 def test_gateway_chart_redis_is_persistent_and_not_selected_by_the_gateway_service(helm):
-    objs = render(helm, ["agl", "helm/agl-gateway", "--set", "redis.enabled=true"])
+    objs = render(helm, ["agl-gateway", "helm/agl-gateway", "--set", "redis.enabled=true"])
     by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
     sts = by[("StatefulSet", "agl-gateway-redis")]
     (c,) = sts["spec"]["template"]["spec"]["containers"]
