@@ -158,6 +158,8 @@ class WheelIndex:
     reach it, so the test serves the wheel pip already has locally (the one scripts/setup.sh installs).
     """
 
+    PORT = 18765
+
     def __init__(self, wheel: str, workdir: Path):
         root = workdir / "torch-index"
         (root / "torch").mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,11 @@ class WheelIndex:
         if not link.exists():
             link.symlink_to(wheel)
         handler = functools.partial(_QuietHandler, directory=str(root))
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        # A fixed port when free: the URL is a build argument, and a new one would invalidate the image's cache.
+        try:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.PORT), handler)
+        except OSError:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -41,8 +41,11 @@ def docker(tmp_path_factory, request):
     d.cleanup()
     d.times["whole docker session"] = time.monotonic() - t0
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("docker test timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in d.times.items()))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("\ndocker test timings (s; sizes in MB): "
+                                + ", ".join(f"{k} {v:.0f}" for k, v in d.times.items()))
 
 
 @pytest.fixture(scope="session")
