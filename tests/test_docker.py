@@ -113,6 +113,22 @@ def check_image(docker: Docker, image: str, script: str) -> dict[str, str]:
     return dists
 
 
+def health_command_ok(docker: Docker, image: str, redis_url: str) -> bool:
+    """Run the image's HEALTHCHECK command in a fresh container (host network) with AGL_REDIS_URL set."""
+    test = json.loads(docker.inspect(image, "{{json .Config.Healthcheck}}"))["Test"]
+    res = docker("run", "--rm", "--network", "host", "-e", f"AGL_REDIS_URL={redis_url}", "--entrypoint", "sh",
+                 image, "-c", test[1], check=False, timeout=60)
+    return res.returncode == 0
+
+
+def test_redis_health_checks_of_controller_and_trainer(docker, images, trainer_image, own_redis):
+    """Their HEALTHCHECK is `Redis answers`: true with the test's Redis, false with nothing listening."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    for image in (images["controller"], trainer_image):
+        assert health_command_ok(docker, image, own_redis.url), image
+        assert not health_command_ok(docker, image, dead), image
+
+
 def test_service_images_are_nonroot_pinned_and_documented(docker, images):
     gateway = check_image(docker, images["gateway"], "agl-gateway serve")
     assert {"agl-common", "agl-gateway", "litellm"} <= set(gateway) and "torch" not in gateway
