@@ -214,7 +214,7 @@ def test_gateway_container_records_an_outside_agent_and_drains_on_docker_stop(do
         assert slow["reply"].choices[0].message.content == "the answer is 7"
         code = docker.inspect(name, "{{.State.ExitCode}}")
         assert code == "0", f"exit code {code} after docker stop took {stop_s:.1f} s\n{docker.logs(name)}"
-        assert stop_s < 15, f"docker stop took {stop_s:.1f} s: not a drain but the grace period's kill"
+        assert stop_s < 25, f"docker stop took {stop_s:.1f} s: not a drain but the grace period's kill"
         assert [c.seq for c in read_calls(own_redis.url, prefix, "dk-r1")] == [0, 1, 2]
         assert "Traceback" not in docker.logs(name)
         docker.times["gateway docker stop (drain of a 3 s call)"] = stop_s
