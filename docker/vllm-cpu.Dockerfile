@@ -23,11 +23,11 @@ RUN pip install --extra-index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt "to
     && mkdir -p /home/agl/.cache && chown 10001:10001 /home/agl/.cache
 USER 10001:10001
 
-ENV VLLM_HOST=127.0.0.1 \
-    VLLM_PORT=8000
+ENV AGL_VLLM_HOST=127.0.0.1 \
+    AGL_VLLM_PORT=8000
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v1/models' % os.environ['VLLM_PORT'], timeout=4)"
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v1/models' % os.environ['AGL_VLLM_PORT'], timeout=4)"
 # The model directory comes from the converter (cached after the first start); the served name is `smollm2`,
 # with LoRA hot-loading on, as the demo runs it (agl_trainer.services.Services.start_vllm).
-ENTRYPOINT ["sh", "-c", "exec python -m vllm.entrypoints.openai.api_server --model \"$(python -c 'from agl_trainer.model import ensure_base_model; print(ensure_base_model())')\" --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --enable-lora --max-lora-rank 16 --max-loras 2 --enable-auto-tool-choice --tool-call-parser hermes --host \"$VLLM_HOST\" --port \"$VLLM_PORT\" \"$@\"", "vllm"]
+ENTRYPOINT ["sh", "-c", "exec python -m vllm.entrypoints.openai.api_server --model \"$(python -c 'from agl_trainer.model import ensure_base_model; print(ensure_base_model())')\" --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --enable-lora --max-lora-rank 16 --max-loras 2 --enable-auto-tool-choice --tool-call-parser hermes --host \"$AGL_VLLM_HOST\" --port \"$AGL_VLLM_PORT\" \"$@\"", "vllm"]
