@@ -43,6 +43,7 @@ class FakeK8s:
         self.pods: dict[tuple[str, str], dict] = {}
         self.events: list[tuple[int, str, dict]] = []
         self.requests: list[tuple[str, str]] = []
+        self.queries: list[dict[str, str]] = []  # the query of each request, in the same order
         self.rv = 0
         self.lock = threading.Lock()
         self.closing = False
@@ -67,6 +68,7 @@ class FakeK8s:
                 q = {k: v[0] for k, v in parse_qs(url.query).items()}
                 parts = url.path.strip("/").split("/")
                 fake.requests.append((method, url.path))
+                fake.queries.append(q)
                 body = None
                 if method == "POST":
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")

@@ -1,4 +1,12 @@
-"""A small fake OpenAI/vLLM upstream and a helper that serves ASGI apps over real HTTP in a thread."""
+"""A small fake OpenAI/vLLM upstream and a helper that serves ASGI apps over real HTTP in a thread.
+
+Also a stand-in engine for trying the gateway without a model (README, "Pointing any agent at the gateway"):
+
+    .venv/bin/python tests/fakes.py --port 8000
+
+serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` on 127.0.0.1 with vLLM's extra fields
+(``prompt_token_ids``, ``token_ids``, logprobs): every answer is "the answer is 7", response ids [7, 8, 9, 2].
+"""
 
 from __future__ import annotations
 
@@ -147,3 +155,13 @@ def _tool_answer(body, prompt):
                              {"id": "call_1", "type": "function",
                               "function": {"name": name, "arguments": "{\"a\": 3, \"b\": 4}"}}]}}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A stand-in OpenAI/vLLM engine with canned answers (tests/fakes.py).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    a = parser.parse_args()
+    uvicorn.run(fake_upstream(), host=a.host, port=a.port, log_level="warning")

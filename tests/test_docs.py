@@ -16,7 +16,8 @@ A block without one that has an ``agl-*`` or ``curl`` line, or is marked ``bash`
 The blocks of one run are one bash script (``set -euo pipefail``) in a temporary directory that holds
 ``.venv`` (this interpreter's environment), links to the repository's folders, the doc's ``file`` blocks
 and ``my_agent.py`` (the reader's agent: one chat call with the OpenAI client). Only environment-specific
-values change: the engine at 127.0.0.1:8000 becomes a fake vLLM (tests/fakes.py), port 8080 a free port,
+values change: the engine at 127.0.0.1:8000 becomes a fake vLLM (tests/fakes.py; a stand-in the doc starts
+itself with ``tests/fakes.py --port 8000`` gets a free port), port 8080 a free port,
 Redis and the key prefix the test's (``AGL_REDIS_URL``, ``AGL_PREFIX``). An ``agl-gateway serve`` line is
 started in the background and waited for (``/healthz``). Every command must exit 0, and the known ones must
 print what they promise (``check`` below). Every ``agl-*`` line, run or not, must name a real command with
@@ -287,7 +288,7 @@ def test_doc_commands_run(session, tmp_path, redis_url, prefix):
                    AGL_PREFIX=prefix, AGL_PORT=str(port), AGL_UPSTREAM=engine.url + "/v1", NO_PROXY="127.0.0.1",
                    no_proxy="127.0.0.1")
         values = {"http://127.0.0.1:8000": engine.url, "127.0.0.1:8080": f"127.0.0.1:{port}",
-                  "--port 8080": f"--port {port}"}
+                  "--port 8080": f"--port {port}", "fakes.py --port 8000": f"fakes.py --port {free_port()}"}
         setup: list[str] = []
         if first.mark == "run with a gateway":
             setup = [f"agl-gateway serve --port {port}"]

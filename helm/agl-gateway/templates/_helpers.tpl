@@ -29,11 +29,13 @@ app.kubernetes.io/part-of: agl
 {{- .Values.auth.existingSecret | default (printf "%s-key" (include "agl-gateway.fullname" .)) }}
 {{- end }}
 
-{{/* Service name of the bundled bitnami Redis (standalone master), as that chart names it. */}}
+{{/* Service (and StatefulSet) name of the chart's own Redis (redis.enabled=true). */}}
 {{- define "agl-gateway.redisHost" -}}
-{{- if contains "redis" .Release.Name }}
-{{- printf "%s-master" .Release.Name }}
-{{- else }}
-{{- printf "%s-redis-master" .Release.Name }}
+{{- printf "%s-redis" (include "agl-gateway.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{/* The gateway pods (the Service, the PodDisruptionBudget and the Deployment select these, not Redis's). */}}
+{{- define "agl-gateway.gatewaySelectorLabels" -}}
+{{ include "agl-gateway.selectorLabels" . }}
+app.kubernetes.io/component: gateway
 {{- end }}

@@ -2,7 +2,7 @@
 
 This is the project's only shared vocabulary: the gateway writes these records, the controller moves
 rollouts through their states, the trainer reads both. Nothing else invents its own dict shapes.
-Field names follow ``shared/CONTRACT.md`` section 3.
+Field names follow ``docs/contract.md`` section 3.
 """
 
 from __future__ import annotations

@@ -103,22 +103,32 @@ def validate_job(manifest: dict[str, Any]):
     """Parse ``manifest`` into the official client's ``V1Job`` and return it.
 
     Raises ``ValueError`` for a field of the wrong type, a missing required one (e.g. a container
-    without ``name``), no containers, or a key the model does not know (found by comparing the manifest
-    with the model's own serialization).
+    without ``name``), no containers, or a key the model does not know (see :func:`validate_manifest`).
+    """
+    job = validate_manifest(manifest, "V1Job", what="Job manifest")
+    if job.spec is None or job.spec.template.spec is None or not job.spec.template.spec.containers:
+        raise ValueError("invalid Job manifest: spec.template.spec.containers is empty")
+    return job
+
+
+def validate_manifest(manifest: dict[str, Any], model: str, what: str = "manifest"):
+    """Parse ``manifest`` (a dict) into the official client's model ``model`` (e.g. ``"V1Job"``) and return it.
+
+    The client's models are generated from the Kubernetes OpenAPI schema. Raises ``ValueError`` for a field
+    of the wrong type, a missing required one, or a key the model does not know (found by comparing the
+    manifest with the model's own serialization).
     """
     from kubernetes.client import ApiClient
 
     client = ApiClient()
     try:
-        job = client.deserialize(json.dumps(manifest), "V1Job", "application/json")
+        obj = client.deserialize(json.dumps(manifest), model, "application/json")
     except Exception as exc:  # pydantic ValidationError, TypeError...
-        raise ValueError(f"invalid Job manifest: {exc}") from exc
-    if job.spec is None or job.spec.template.spec is None or not job.spec.template.spec.containers:
-        raise ValueError("invalid Job manifest: spec.template.spec.containers is empty")
-    unknown = _unknown_keys(manifest, client.sanitize_for_serialization(job))
+        raise ValueError(f"invalid {what}: {exc}") from exc
+    unknown = _unknown_keys(manifest, client.sanitize_for_serialization(obj))
     if unknown:
-        raise ValueError(f"invalid Job manifest: unknown field(s) {', '.join(unknown)}")
-    return job
+        raise ValueError(f"invalid {what}: unknown field(s) {', '.join(unknown)}")
+    return obj
 
 
 def _unknown_keys(given: Any, parsed: Any, path: str = "") -> list[str]:
