@@ -133,7 +133,7 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("eval") for m in lines if "eval" in m] == ["before", "after"]
-    steps = [m for m in lines if "step" in m]
+    steps = [m for m in lines if "step" in m and "eval" not in m]
     assert len(steps) == 1 and steps[0]["calls_per_rollout"] >= 2 and "merge_breaks" in steps[0]
     assert (run_dir / "accuracy_curve.png").stat().st_size > 1000
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -167,7 +167,7 @@ def test_train_command_and_export(engine, redis_url, prefix, tmp_path):
     assert run2.returncode == 0, run2.stdout[-3000:] + run2.stderr[-3000:]
     assert "resumed" in run2.stdout
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in lines if "step" in m]
+    steps = [m for m in lines if "step" in m and "eval" not in m]
     assert [m["step"] for m in steps] == [1, 2]
     trained = {g.decode() for g in redis.Redis.from_url(redis_url).smembers(Store(redis_url, prefix).key("trained"))}
     step_groups = steps[0]["groups"] + steps[1]["groups"]

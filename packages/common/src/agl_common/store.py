@@ -635,8 +635,10 @@ class Store:
         pipe = self.r.pipeline(transaction=False)
         for cid in ids:
             pipe.exists(self.key("processing", cid))
-        pipe.mget([self.key("controller", cid) for cid in ids])
-        *has_list, alive = await pipe.execute()
+        for cid in ids:  # GET each (a cluster pipeline refuses MGET)
+            pipe.get(self.key("controller", cid))
+        res = await pipe.execute()
+        has_list, alive = res[: len(ids)], res[len(ids):]
         gone = [cid for cid, n, raw in zip(ids, has_list, alive) if not n and raw is None]
         if gone:
             await self.r.srem(self.key("controllers"), *gone)
