@@ -19,6 +19,7 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -114,7 +115,7 @@ class Launcher:
             if len(self.command) < 2 or (self.command[1] == "-m" and len(self.command) < 3):
                 raise LaunchError(f"preload needs a Python command (python script.py ...), got {self.command}")
             exe = self.command[0]
-            resolved = Path(exe if os.sep in exe else (_which(exe) or exe))
+            resolved = Path(exe if os.sep in exe else (shutil.which(exe) or exe))
             if resolved.absolute() != Path(sys.executable).absolute() and \
                     resolved.resolve() != Path(sys.executable).resolve():
                 raise LaunchError(f"preload forks this controller's Python ({sys.executable}); the command runs "
@@ -149,9 +150,3 @@ class Launcher:
         proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path)), daemon=False)
         await asyncio.to_thread(proc.start)  # the first start launches the forkserver and imports ``preload``
         return ForkedProcess(proc)
-
-
-def _which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)

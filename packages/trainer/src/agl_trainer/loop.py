@@ -320,9 +320,9 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                 last = step
                 progress.update(steps_task, advance=1)
                 progress.remove_task(rtask)
-                upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
-                       f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
                 if show:  # the console tracker's line
+                    upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
+                           f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
                     console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
                                   f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
                                   f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "
