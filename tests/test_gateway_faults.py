@@ -310,6 +310,25 @@ async def test_replica_registry_lists_live_replicas_and_forgets_dead_ones(store)
     assert [r.replica_id for r in await store.replicas()] == ["b"]
 
 
+async def test_a_drain_waits_for_a_replica_whose_heartbeat_is_late(store):
+    """A replica starved of CPU for longer than the live window (5 s) is still a member: the drain waits for its
+    acknowledgement instead of returning at once past its in-flight calls (the flaky load test's cause)."""
+    await store.heartbeat(ReplicaStatus(replica_id="starved", in_flight=1))
+    await asyncio.sleep(5.3)  # no heartbeat for longer than REPLICA_TTL_S
+    assert await store.replicas() == [] and len(await store.replicas(include_late=True)) == 1
+    with pytest.raises(DrainTimeout, match=r"starved \(heartbeat \d+ s late\)"):
+        await pause_and_drain(store, timeout_s=0.5)
+    drain = asyncio.create_task(pause_and_drain(store, timeout_s=10))
+    while (cmd := await store.last_control()) is None or cmd.cmd != "pause":
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    assert not drain.done()
+    await store.heartbeat(ReplicaStatus(replica_id="starved", paused=True, drained_id=cmd.id))  # it wakes up
+    (status,) = await asyncio.wait_for(drain, 5)
+    assert status.replica_id == "starved" and status.in_flight == 0
+    await resume(store)
+
+
 def _raw_redis_uses(path: Path) -> list[str]:
     """``x.r.<method>(...)`` calls on a Store's client outside store.py, and keyspace scans anywhere."""
     out = []

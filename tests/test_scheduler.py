@@ -154,3 +154,24 @@ def test_truncated_importance_weights_hand_computed():
     assert w.tolist()[0] == pytest.approx([1.0, 2.0, 0.5 / 0.9])  # 5.0 truncated to 2
     loss, _ = ppo_loss(old, old, torch.tensor([1.0]), torch.full((1, 3), 1 / 3), is_weights=w)
     assert loss.item() == pytest.approx(-(1.0 + 2.0 + 0.5 / 0.9) / 3)
+
+
+async def test_group_membership_and_owner_come_from_the_registry_not_from_ids(store):
+    """A group whose id looks like ours but that another run owns is acknowledged, not adopted; a group we own is
+    adopted with the members and version it was registered with (here 3 rollouts, though this scheduler makes 2)."""
+    from agl_common.schemas import GroupInfo
+    from agl_trainer.loop import create_rollouts
+
+    await create_rollouts(store, INPUTS[:1], 2, "reg-q90", 0, owner="someone-else")  # id in our pattern
+    await create_rollouts(store, INPUTS[:1], 3, "reg-q91", 4, owner="reg")  # ours, created by a dead trainer
+    with pytest.raises(ValueError, match="already exists"):
+        await store.register_group(GroupInfo(group_id="reg-q91-g0", rollout_ids=["x"], owner="reg"))
+    sched = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, active_groups=1, tag="reg", consumer="A")
+    await sched.start()
+    for gid, n in (("reg-q90-g0", 2), ("reg-q91-g0", 3)):
+        await finish(store, Group(gid, [f"{gid}-{i}" for i in range(n)], 0), rewards=(1.0, 0.0, 1.0))
+    batch = await sched.next_batch(4, timeout_s=10)
+    (g,) = batch.groups
+    assert g.group_id == "reg-q91-g0" and g.version == 4 and len(g.rollouts) == 3
+    assert "reg-q90-g0" not in sched.active
+    assert (await store.groups(["reg-q90-g0", "nope"]))[1] is None

@@ -3,7 +3,8 @@
 1. The trainer publishes ``ControlCommand(cmd="pause", id=N)``.
 2. Each replica stops forwarding new calls (they are *held*, not rejected), lets in-flight calls
    finish, and once its in-flight count is 0 reports ``drained_id=N`` in its heartbeat.
-3. :func:`pause_and_drain` returns when every live replica reports ``drained_id == N``.
+3. :func:`pause_and_drain` returns when every member replica reports ``drained_id == N``: live ones and those
+   whose heartbeat is late (a starved replica is not taken for dead until ``REPLICA_LATE_S``).
 4. ``resume`` releases held calls, optionally switching new calls to a new policy (served model name
    and version).
 """
@@ -15,7 +16,7 @@ import time
 import uuid
 
 from .schemas import ControlCommand, ReplicaStatus
-from .store import Store
+from .store import REPLICA_TTL_S, Store
 
 
 class DrainTimeout(TimeoutError):
@@ -31,7 +32,10 @@ async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float =
     """Pause all gateway replicas and wait until each reports its in-flight calls drained.
 
     Returns the replicas' statuses at the moment of the acknowledgement. With no live replica, returns
-    ``[]`` at once (nothing can be in flight). Raises :class:`DrainTimeout` after ``timeout_s`` seconds.
+    ``[]`` at once (nothing can be in flight). A replica whose heartbeat is late (its event loop starved under
+    CPU contention) is waited for like a live one, until it acknowledges or leaves the registry
+    (:data:`agl_common.store.REPLICA_LATE_S` after its last heartbeat). Raises :class:`DrainTimeout` after
+    ``timeout_s`` seconds, naming the replicas that did not acknowledge (late ones marked).
 
     A pause that does not complete (timeout, Redis error, cancellation) is withdrawn before the error
     propagates: a ``resume`` on the same policy is published, so no replica stays paused and replicas
@@ -44,11 +48,14 @@ async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float =
         await store.publish_control(command)
         deadline = time.monotonic() + timeout_s
         while True:
-            replicas = await store.replicas()
+            replicas = await store.replicas(include_late=True)
             if all(r.paused and r.drained_id == command.id for r in replicas):
                 return replicas
             if time.monotonic() > deadline:
-                waiting = [r.replica_id for r in replicas if r.drained_id != command.id]
+                now = time.time()
+                waiting = [r.replica_id + (f" (heartbeat {now - r.updated_at:.0f} s late)"
+                                           if now - r.updated_at >= REPLICA_TTL_S else "")
+                           for r in replicas if r.drained_id != command.id]
                 raise DrainTimeout(f"replicas not drained after {timeout_s} s (pause withdrawn): {waiting}")
             await asyncio.sleep(poll_s)
     except BaseException:

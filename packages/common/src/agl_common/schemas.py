@@ -63,6 +63,20 @@ class Rollout(BaseModel):
     env_map: dict[str, str] = Field(default_factory=dict)
 
 
+class GroupInfo(BaseModel):
+    """One GRPO group as registered in the store when its rollouts are created.
+
+    ``owner`` is the trainer run (its scheduler tag) that trains the group; ``None`` for groups no trainer
+    trains (evaluations). A restarted trainer adopts the groups it owns from this record, never from ids.
+    """
+
+    group_id: str
+    rollout_ids: list[str]
+    policy_version: int = 0
+    owner: str | None = None
+    created_at: float = Field(default_factory=time.time)
+
+
 Route = Literal["chat", "completions", "messages", "responses"]
 
 

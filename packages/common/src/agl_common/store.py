@@ -22,13 +22,16 @@ key                                 type      holds
 ``P {E}:policy``                    string    the :class:`Policy` new calls are routed to
 ``P {E}:control``                   pub/sub   :class:`ControlCommand` messages
 ``P {E}:control:last``              string    the last command, for replicas that missed it
-``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 5 s
+``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 30 s
+``P {E}:replicas``                  zset      replica ids scored by the Unix time their membership expires
 ``P {E}:completed``                 stream    one entry per move to succeeded/failed (``rid``, ``gid``,
                                               ``aid``), appended right after the status is written
                                               (:meth:`Store.announce_completed`); read by trainers
                                               through consumer groups
 ``P {E}:trained``                   set       group ids a trainer has committed (trained at most once)
 ``P {E}:groups:{tag}``              string    counter of the groups a trainer run created
+``P {E}:group_members``             hash      group id → :class:`GroupInfo` JSON (its rollout ids, policy
+                                              version and owning trainer run), written before its rollouts
 ==================================  ========  ================================================
 
 A store object is passed to whoever needs it; nothing is kept in module-level state.
@@ -64,6 +67,7 @@ from redis.retry import Retry
 from .schemas import (
     CallRecord,
     ControlCommand,
+    GroupInfo,
     Policy,
     ReplicaStatus,
     Rollout,
@@ -73,7 +77,12 @@ from .schemas import (
 )
 from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 
+#: A gateway replica is *live* while its last heartbeat (sent every second) is younger than this (s).
 REPLICA_TTL_S = 5
+#: A replica whose heartbeat is late (an event loop starved by CPU contention, a long GC pause) stays a member
+#: this long (s): a drain waits for it, rather than taking its silence for death and resuming past its calls.
+#: A clean shutdown leaves at once (:meth:`Store.drop_replica`); a killed replica holds drains this long at most.
+REPLICA_LATE_S = 30
 #: The ``completed`` stream is trimmed (approximately) to this many entries; a trainer must not lag further.
 COMPLETED_MAXLEN = 1_000_000
 #: Version of the key layout above. 1: untagged keys (``P calls:rid``, ``P queue``); 2: hash-tagged keys.
@@ -381,6 +390,22 @@ class Store:
         """0, 1, 2... per ``tag`` (``INCR P groups:{tag}``): a restarted trainer never reuses a number."""
         return int(await self.r.incr(self.key("groups", tag))) - 1
 
+    async def register_group(self, info: GroupInfo) -> None:
+        """Record a group's members and owner (``HSET P group_members``); call it before creating its rollouts.
+
+        Raises ``ValueError`` if the group id is registered already (``HSETNX``): a group is never redefined.
+        """
+        await self.ensure_layout()
+        if not await self.r.hsetnx(self.key("group_members"), info.group_id, info.model_dump_json()):
+            raise ValueError(f"group {info.group_id!r} already exists")
+
+    async def groups(self, group_ids: list[str]) -> list[GroupInfo | None]:
+        """The registered :class:`GroupInfo` of each id, ``None`` for an id never registered (one round trip)."""
+        if not group_ids:
+            return []
+        raws = await self.r.hmget(self.key("group_members"), group_ids)
+        return [GroupInfo.model_validate_json(raw) if raw else None for raw in raws]
+
     # ---------------------------------------------------------------- calls
     async def record_call(self, record: CallRecord) -> CallRecord:
         """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
@@ -538,12 +563,12 @@ class Store:
         return ControlCommand.model_validate_json(raw) if raw else None
 
     async def heartbeat(self, status: ReplicaStatus) -> None:
-        """Write the replica's status (expires after ``REPLICA_TTL_S``) and register it in ``P replicas``
-        (a zset scored by the Unix time its heartbeat expires), in one round trip."""
+        """Write the replica's status and register it in ``P replicas`` (a zset scored by the Unix time its
+        membership expires, :data:`REPLICA_LATE_S` after this heartbeat), in one round trip."""
         status.updated_at = time.time()
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_TTL_S)
-        pipe.zadd(self.key("replicas"), {status.replica_id: status.updated_at + REPLICA_TTL_S})
+        pipe.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_LATE_S)
+        pipe.zadd(self.key("replicas"), {status.replica_id: status.updated_at + REPLICA_LATE_S})
         await pipe.execute()
 
     async def drop_replica(self, replica_id: str) -> None:
@@ -553,9 +578,14 @@ class Store:
         pipe.zrem(self.key("replicas"), replica_id)
         await pipe.execute()
 
-    async def replicas(self) -> list[ReplicaStatus]:
-        """Live gateway replicas (those whose heartbeat has not expired), from the ``P replicas`` registry:
-        two round trips whatever the keyspace holds (expired entries are pruned on the way)."""
+    async def replicas(self, include_late: bool = False) -> list[ReplicaStatus]:
+        """Gateway replicas from the ``P replicas`` registry (two round trips whatever the keyspace holds;
+        expired entries are pruned on the way).
+
+        By default only *live* ones (last heartbeat younger than :data:`REPLICA_TTL_S`); with ``include_late``
+        also those whose heartbeat is late but younger than :data:`REPLICA_LATE_S` (every member: what a
+        drain must wait for). ``updated_at`` tells them apart.
+        """
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         pipe.zremrangebyscore(self.key("replicas"), "-inf", now)
@@ -564,7 +594,8 @@ class Store:
         if not ids:
             return []
         raws = await self.r.mget([self.key("replica", rid) for rid in ids])
-        return [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
+        out = [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
+        return out if include_late else [r for r in out if now - r.updated_at < REPLICA_TTL_S]
 
     # ---------------------------------------------------------------- controller claims, leases, retries
     # Two more keys, used by the controller only:

@@ -25,19 +25,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agl_common.schemas import Rollout, TERMINAL
+from agl_common.schemas import GroupInfo, Rollout, TERMINAL
 from agl_common.store import Store
 
 
-async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int) -> list[str]:
-    """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids."""
+async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int,
+                          owner: str | None = None) -> list[str]:
+    """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids.
+
+    Each group is registered first (:meth:`Store.register_group`, with ``owner``: the trainer run that trains
+    it, ``None`` for evaluations), so who owns a group and which rollouts it has is read from the store,
+    never parsed out of ids. Raises ``ValueError`` if a group or rollout id exists already.
+    """
     ids = []
     for k, inp in enumerate(inputs):
-        for i in range(n):
-            rid = f"{tag}-g{k}-{i}"
-            await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=f"{tag}-g{k}",
-                                               policy_version=version))
-            ids.append(rid)
+        gid = f"{tag}-g{k}"
+        members = [f"{gid}-{i}" for i in range(n)]
+        await store.register_group(GroupInfo(group_id=gid, rollout_ids=members, policy_version=version,
+                                             owner=owner))
+        for rid in members:
+            await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=gid, policy_version=version))
+        ids += members
     return ids
 
 
@@ -132,7 +140,8 @@ class GroupScheduler:
         while len(self.active) < self.active_groups:
             n = await self.store.next_group_number(self.tag)
             tag = f"{self.tag}-q{n}"
-            ids = await create_rollouts(self.store, [self._next_input()], self.group_size, tag, version)
+            ids = await create_rollouts(self.store, [self._next_input()], self.group_size, tag, version,
+                                        owner=self.tag)
             group = Group(f"{tag}-g0", ids, version)
             self.active[group.group_id] = group
             started += 1
@@ -145,30 +154,30 @@ class GroupScheduler:
         self.active.setdefault(group.group_id, group)
         return True
 
-    def _ours(self, gid: str, rid: str) -> bool:
-        return gid.startswith(f"{self.tag}-q") and rid.startswith(gid + "-")
-
     async def _take(self, entries: list[tuple[str, dict[str, str]]]) -> None:
         """File completion entries under their groups; adopt our groups we do not know yet (created by a
-        trainer that died); acknowledge at once what is not ours to train (other runs, evaluations, trained)."""
+        trainer that died); acknowledge at once what is not ours to train (other runs, evaluations, trained).
+
+        Ownership and membership come from the store's group registry (:meth:`Store.groups`)."""
         acks, unknown = [], {}
         for eid, f in entries:
             gid, rid = f.get("gid", ""), f.get("rid", "")
             if gid in self.active:
                 self.active[gid].seen.add(rid)
                 self.active[gid].entry_ids.append(eid)
-            elif self._ours(gid, rid):
+            elif gid:
                 unknown.setdefault(gid, []).append((eid, rid))
             else:
                 acks.append(eid)
-        gids = list(unknown)
+        infos = dict(zip(unknown, await self.store.groups(list(unknown))))
+        gids = [gid for gid, info in infos.items() if info is not None and info.owner == self.tag]
+        acks += [eid for gid in unknown if gid not in gids for eid, _ in unknown[gid]]
         for gid, done in zip(gids, await self.store.trained(gids)):
             if done:
                 acks += [eid for eid, _ in unknown[gid]]
                 continue
-            ids = [f"{gid}-{i}" for i in range(self.group_size)]
-            first = (await self.store.get_rollouts(ids[:1]))[0]
-            group = Group(gid, ids, first.policy_version)
+            info = infos[gid]
+            group = Group(gid, info.rollout_ids, info.policy_version)
             group.seen = {rid for _, rid in unknown[gid]}
             group.entry_ids = [eid for eid, _ in unknown[gid]]
             self.active[gid] = group

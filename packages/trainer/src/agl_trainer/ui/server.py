@@ -129,7 +129,10 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
                                                     f"(prefix {prefix!r}).") from None
 
     async def group_rollouts(run: Run, gid: str) -> list:
-        ids = await store.rollout_ids(gid)
+        info = (await store.groups([gid]))[0]
+        if info is not None:  # registered by create_rollouts
+            return await store.get_rollouts(info.rollout_ids)
+        ids = await store.rollout_ids(gid)  # rollouts created without a group record
         rollouts = [r for r in await store.get_rollouts(ids) if r.group_id == gid]
         if not rollouts:  # ids not derived from the group id: scan the run's rollouts
             ids = await store.rollout_ids(run.run_id)
