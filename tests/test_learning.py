@@ -201,3 +201,16 @@ def test_bench_learning_reads_finished_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "gain +0.300 ± 0.100" in out.stdout and "0.100 → 0.400" in out.stdout
     assert "no summary.json" in out.stderr and png.stat().st_size > 1000
+
+
+def test_piped_cli_prints_no_progress_bars():
+    """Output to a pipe: the entry point switches tqdm off before anything imports it (a bar redrawn with ``\\r``
+    would land in a log as one huge line, as the GGUF conversion's did)."""
+    code = ("import sys; sys.argv = ['agl-trainer', '--help']\n"
+            "from agl_trainer.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "from tqdm.auto import tqdm\n"
+            "for _ in tqdm(range(3), desc='converting'):\n    pass\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "Usage" in out.stdout
+    assert "converting" not in out.stderr and "\r" not in out.stderr

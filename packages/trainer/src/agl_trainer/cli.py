@@ -457,4 +457,11 @@ def gateway_status(redis: str = RedisOpt, prefix: str = PrefixOpt):
 
 
 def main() -> None:
+    """The ``agl-trainer`` entry point. Not on a terminal (a pipe, a log), progress bars are switched off before
+    anything imports tqdm (``TQDM_DISABLE`` is read at import): a bar rewritten in place prints as one huge line
+    there, and the run prints a line per event instead."""
+    if not sys.stdout.isatty():
+        import os
+
+        os.environ.setdefault("TQDM_DISABLE", "1")
     app()
