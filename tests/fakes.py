@@ -195,9 +195,10 @@ def default_ids(message: dict) -> list[int]:
 
 
 def tool_call(name: str, arguments: dict, call_id: str = "call_1") -> dict:
-    """An assistant message that calls tool ``name`` with ``arguments`` (for a ``reply`` function)."""
+    """An assistant message that calls tool ``name`` with ``arguments`` (for a ``reply`` function; the arguments
+    as ``json.dumps`` writes them: ``{"a": 3, "b": 4}``)."""
     return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": orjson.dumps(arguments).decode()}}]}
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
 def default_reply(body: dict) -> dict | str:
