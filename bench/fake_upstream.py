@@ -1,9 +1,11 @@
-"""A fake vLLM for benchmarks: a raw ``asyncio.Protocol`` HTTP/1.1 keep-alive server, never the bottleneck.
+"""The fake vLLM of the benchmarks: a raw ``asyncio.Protocol`` HTTP/1.1 keep-alive server, never the bottleneck.
 
 Every ``POST /v1/chat/completions`` (and ``/v1/completions``) is answered with one fixed, vLLM-shaped body
-(``prompt_token_ids``, ``choices[0].token_ids``, ``choices[0].logprobs.content``, ``usage``), built once at
-start-up; ``GET /v1/models`` lists one model. The request body is consumed by its ``Content-Length`` and
-not parsed (requests may be pipelined). A chunked request body is refused with 411.
+(``prompt_token_ids``, ``choices[0].token_ids``, ``choices[0].logprobs.content``, ``usage``, and vLLM 0.x's
+null fields), built once at start-up by the tests' fake engine (``tests/fakes.py``: ``chat_answer``,
+``completion_answer``, ``models_answer``; only the transport is this file's); ``GET /v1/models`` lists one
+model. The request body is consumed by its ``Content-Length`` and not parsed (requests may be pipelined).
+A chunked request body is refused with 411.
 
     python bench/fake_upstream.py --port 8000 [--prompt-tokens 256] [--completion-tokens 32]
 """
@@ -15,7 +17,12 @@ import asyncio
 import json
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fakes import chat_answer, completion_answer, models_answer  # noqa: E402  (the one fake engine's bodies)
 
 MODEL = "bench-model"
 MAX_HEAD = 64 * 1024
@@ -23,39 +30,17 @@ MAX_HEAD = 64 * 1024
 
 def chat_body(prompt_tokens: int, completion_tokens: int) -> bytes:
     """A vLLM 0.x chat completion with ``return_token_ids`` and ``logprobs`` on (no top logprobs)."""
-    ids = [1000 + (7 * k) % 30000 for k in range(completion_tokens)]
-    words = [f"w{k}" for k in range(completion_tokens)]
-    body = {
-        "id": "chatcmpl-bench0000000000000000", "object": "chat.completion", "created": 1700000000,
-        "model": MODEL,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": " ".join(words), "refusal": None, "annotations": None,
-                        "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
-            "logprobs": {"content": [{"token": " " + w, "logprob": -0.01 * (k % 50 + 1),
-                                      "bytes": list((" " + w).encode()), "top_logprobs": []}
-                                     for k, w in enumerate(words)]},
-            "finish_reason": "stop", "stop_reason": None, "token_ids": ids,
-        }],
-        "service_tier": None, "system_fingerprint": None,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
-        "prompt_logprobs": None,
-        "prompt_token_ids": [100 + (13 * k) % 30000 for k in range(prompt_tokens)],
-        "kv_transfer_params": None,
-    }
+    words = [f" w{k}" for k in range(completion_tokens)]
+    body = chat_answer(MODEL, [100 + (13 * k) % 30000 for k in range(prompt_tokens)],
+                       [1000 + (7 * k) % 30000 for k in range(completion_tokens)], "".join(words).lstrip(),
+                       tokens=words, full=True)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
 def completion_body(prompt_tokens: int, completion_tokens: int) -> bytes:
-    ids = [1000 + (7 * k) % 30000 for k in range(completion_tokens)]
-    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1700000000, "model": MODEL,
-            "choices": [{"index": 0, "text": " x" * completion_tokens, "finish_reason": "stop", "token_ids": ids,
-                         "prompt_token_ids": [100 + k for k in range(prompt_tokens)],
-                         "logprobs": {"tokens": [" x"] * completion_tokens,
-                                      "token_logprobs": [-0.1] * completion_tokens}}],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                      "completion_tokens": completion_tokens}}
+    body = completion_answer(MODEL, [100 + k for k in range(prompt_tokens)],
+                             [1000 + (7 * k) % 30000 for k in range(completion_tokens)], " x" * completion_tokens,
+                             tokens=[" x"] * completion_tokens, full=True)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -118,8 +103,7 @@ class Upstream(asyncio.Protocol):
 
 
 def configure(prompt_tokens: int, completion_tokens: int) -> None:
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm",
-                                                     "max_model_len": 32768}]}).encode()
+    models = json.dumps(models_answer(MODEL, full=True)).encode()
     Upstream.answers = {
         (b"post", b"/v1/chat/completions"): response("200 OK", chat_body(prompt_tokens, completion_tokens)),
         (b"post", b"/v1/completions"): response("200 OK", completion_body(prompt_tokens, completion_tokens)),

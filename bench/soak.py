@@ -1,10 +1,11 @@
 """Soak test (issue 6): the CI load test of ``tests/test_reliability.py``, for minutes instead of seconds.
 
-Starts a fake upstream (its own process, logs every arrival), ``--replicas`` gateway processes
-(``python -m agl_gateway serve --open``, distinct ``AGL_REPLICA_ID``) and runs ``--agents`` concurrent agents,
-each making calls back to back (random upstream delay up to ``--delay-max`` s, random think time) for
-``--duration`` seconds, through the replicas in turn, while a control task pauses (``pause_and_drain``) and
-resumes every ``--pause-every`` seconds. Then it checks what the CI test checks, on everything:
+Starts the fake engine (``tests/fakes.py --port``, its own process: logs every arrival, ``GET /x/arrivals``),
+``--replicas`` gateway processes (``python -m agl_gateway serve --open``, distinct ``AGL_REPLICA_ID``) and runs
+``--agents`` concurrent agents, each making calls back to back (random upstream delay up to ``--delay-max`` s,
+random think time) for ``--duration`` seconds, through the replicas in turn, while a control task pauses
+(``pause_and_drain``) and resumes every ``--pause-every`` seconds. Then it checks what the CI test checks, on
+everything:
 
 * every call answered 200 (others are counted by status and error code);
 * no record lost or duplicated: each answered call's marker is recorded exactly once, and every rollout's
@@ -26,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,56 +39,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ----------------------------------------------------------------------------------- the fake upstream
-def serve_upstream(port: int) -> None:
-    """vLLM-shaped chat answers after ``x_delay`` s; ``GET /arrivals`` returns the arrival times and the
-    number in progress at each drain check (``GET /active``)."""
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    arrivals: list[float] = []
-    state = {"active": 0}
-    body = json.dumps({
-        "id": "chatcmpl-soak", "object": "chat.completion", "created": 1, "model": "up",
-        "prompt_token_ids": list(range(1, 65)),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16}, "finish_reason": "stop",
-                     "token_ids": list(range(100, 116)),
-                     "logprobs": {"content": [{"token": "ok", "logprob": -0.5}] * 16}}],
-        "usage": {"prompt_tokens": 64, "completion_tokens": 16, "total_tokens": 80}}).encode()
-
-    async def chat(request):
-        arrivals.append(time.time())
-        state["active"] += 1
-        try:
-            req = json.loads(await request.body())
-            if req.get("x_delay"):
-                await asyncio.sleep(float(req["x_delay"]))
-            return Response(body, media_type="application/json")
-        finally:
-            state["active"] -= 1
-
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": "up", "object": "model"}]})
-
-    async def get_arrivals(request):
-        return JSONResponse(arrivals)
-
-    async def active(request):
-        return JSONResponse(state["active"])
-
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models),
-                            Route("/arrivals", get_arrivals), Route("/active", active)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=30)
+FAKES = ROOT / "tests" / "fakes.py"  # the fake engine, in a process of its own
+sys.path.insert(0, str(FAKES.parent))
+from fakes import free_port  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- processes
@@ -141,7 +93,7 @@ async def run(args) -> int:
     up_port = free_port()
     up_url = f"http://127.0.0.1:{up_port}"
     with open(logs / "upstream.log", "wb") as out:  # noqa: ASYNC230 -- start-up, before any load
-        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)],  # noqa: ASYNC220
+        procs.append(subprocess.Popen([sys.executable, str(FAKES), "--port", str(up_port)],  # noqa: ASYNC220
                                       stdout=out, stderr=subprocess.STDOUT))
     wait_http(up_url + "/v1/models", procs[-1])
     gws = []
@@ -201,7 +153,7 @@ async def run(args) -> int:
                 results[f"drain:{type(exc).__name__}"] += 1
                 statuses = []
             t_ack = time.time()
-            active = (await c.get(up_url + "/active")).json()
+            active = (await c.get(up_url + "/x/active")).json()
             await asyncio.sleep(args.pause_hold)
             t_resume = time.time()
             await resume(store)
@@ -235,7 +187,7 @@ async def run(args) -> int:
             stop.set()
             await asyncio.gather(*agents)
             await asyncio.gather(*helpers)
-            arrivals = (await c.get(up_url + "/arrivals")).json()
+            arrivals = (await c.get(up_url + "/x/arrivals")).json()
         elapsed = time.monotonic() - t0
 
         # ------------------------------------------------------------------ checks
@@ -303,7 +255,6 @@ async def run(args) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--agents", type=int, default=256)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
@@ -317,9 +268,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the Redis keys")
     args = ap.parse_args()
-    if args.serve_upstream:
-        serve_upstream(args.serve_upstream)
-        return
     sys.exit(asyncio.run(run(args)))
 
 

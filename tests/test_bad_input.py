@@ -8,15 +8,14 @@ Invariants checked after every example:
 - every upstream model call that reached the recording step left exactly one record, and every record in
   Redis validates as :class:`CallRecord`, with ``seq`` 0, 1, 2... per attempt (no gap, no duplicate).
 
-The gateway runs in-process over real HTTP (uvicorn thread) against a programmable fake upstream.
+The gateway runs in-process over real HTTP (uvicorn thread) against the fake upstream of tests/fakes.py,
+scripted through its ``plan``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import threading
 import time
 import uuid
 from collections import defaultdict
@@ -27,13 +26,9 @@ import pytest
 import redis
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
 from agl_gateway import GatewaySettings, create_app
-from fakes import Served
+from fakes import IDS, Served, chat_answer, chat_chunks, completion_answer, fake_upstream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 MAX_BODY = 16 * 1024
 
@@ -46,98 +41,23 @@ H = settings(max_examples=int(os.environ.get("AGL_HYPOTHESIS_EXAMPLES", "40")), 
 
 
 # ----------------------------------------------------------------------------------------- fake upstream
-def good_chat(prompt_len: int = 3) -> dict:
-    ids = [7, 8, 9, 2]
-    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "up",
-            "prompt_token_ids": list(range(1, prompt_len + 1)),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "the answer is 7"},
-                         "finish_reason": "stop", "token_ids": ids,
-                         "logprobs": {"content": [{"token": str(t), "logprob": -0.5} for t in ids]}}],
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}}
+# The engine is tests/fakes.py's; a test scripts its answers with ``app.state.plan`` and counts arrivals on the
+# model routes with ``len(app.state.calls)`` (each must leave exactly one record).
+def good_chat() -> dict:
+    return chat_answer("up", [1, 2, 3], IDS)
 
 
 def good_completion() -> dict:
-    return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "up",
-            "choices": [{"index": 0, "text": " 7", "finish_reason": "stop", "token_ids": [5, 2],
-                         "prompt_token_ids": [1, 2, 3],
-                         "logprobs": {"tokens": ["5", "2"], "token_logprobs": [-0.5, -0.25]}}]}
+    return completion_answer("up")
 
 
 def good_stream_chunks() -> list[bytes]:
-    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "up"}
-    out = [dumps({**base, "prompt_token_ids": [1, 2, 3],
-                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
-    for k, (piece, tid) in enumerate(zip(["the ", "answer ", "is 7", ""], [7, 8, 9, 2])):
-        out.append(dumps({**base, "choices": [{
-            "index": 0, "delta": {"content": piece}, "token_ids": [tid],
-            "logprobs": {"content": [{"token": piece, "logprob": -0.1}]},
-            "finish_reason": "stop" if k == 3 else None}]}))
-    out.append(dumps({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4,
-                                                             "total_tokens": 7}}))
-    return [b"data: " + c + b"\n\n" for c in out]
-
-
-class Upstream:
-    """vLLM-shaped by default; ``plan`` makes the next answers garbage.
-
-    plan: ``("body", status, bytes)`` for any model route, or ``("stream", [sse bytes], end)`` with end in
-    ``done`` (``data: [DONE]``), ``eof`` (clean end without [DONE]) or ``cut`` (connection dropped).
-    ``model_calls`` counts arrivals on the model routes (each must leave exactly one record).
-    """
-
-    def __init__(self):
-        self.plan = None
-        self.model_calls = 0
-        self.lock = threading.Lock()
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models), Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"])])
-
-    async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": "up", "object": "model"}]})
-
-    async def tokenize(self, request: Request):
-        if self.plan and self.plan[0] == "body":
-            return Response(self.plan[2], status_code=self.plan[1], media_type="application/json")
-        return JSONResponse({"count": 12, "tokens": []})
-
-    def _count(self):
-        with self.lock:
-            self.model_calls += 1
-
-    async def chat(self, request: Request):
-        body = await request.json()
-        self._count()
-        plan = self.plan
-        if plan and plan[0] == "body":
-            return Response(plan[2], status_code=plan[1], media_type="application/json")
-        if body.get("stream"):
-            chunks, end = (plan[1], plan[2]) if plan else (good_stream_chunks(), "done")
-
-            async def gen():
-                for c in chunks:
-                    yield c
-                    await asyncio.sleep(0)
-                if end == "done":
-                    yield b"data: [DONE]\n\n"
-                elif end == "cut":
-                    raise ConnectionResetError("upstream died mid-stream")
-
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        return JSONResponse(good_chat())
-
-    async def completions(self, request: Request):
-        await request.body()
-        self._count()
-        if self.plan and self.plan[0] == "body":
-            return Response(self.plan[2], status_code=self.plan[1], media_type="application/json")
-        return JSONResponse(good_completion())
+    return chat_chunks("up", [1, 2, 3], IDS)
 
 
 # ----------------------------------------------------------------------------------------- fixtures
 class Env:
-    def __init__(self, gw, up: Upstream, r: redis.Redis, prefix: str, app):
+    def __init__(self, gw, up, r: redis.Redis, prefix: str, app):
         self.gw, self.up, self.r, self.prefix, self.app = gw, up, r, prefix, app
         self.client = httpx.Client(timeout=30)
 
@@ -156,12 +76,11 @@ def env(redis_url):
     for rid, attempt in (("r1", "0"), ("r2", "1")):
         r.set(prefix + "rollout:{" + rid + "}", Rollout(rollout_id=rid, attempt_id=attempt,
                                                  status=RolloutStatus.running).model_dump_json())
-    up = Upstream()
-    with Served(up.app) as ups:
+    with Served(fake_upstream(model="up")) as ups:
         app = create_app(GatewaySettings(upstream=ups.url, redis_url=redis_url, prefix=prefix, model="agent-model",
                                          max_body_bytes=MAX_BODY, heartbeat_s=0.5, upstream_timeout_s=10))
         with Served(app) as gw:
-            e = Env(gw, up, r, prefix, app)
+            e = Env(gw, ups.app.state, r, prefix, app)
             from agl_gateway import translate
             translate.warm()  # LiteLLM's import takes seconds: not inside a hypothesis example
             yield e
@@ -274,7 +193,7 @@ def settle(e: Env, before_calls: int, before_records: int) -> None:
     while (e.gate.in_flight or e.gate.held) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert e.gate.in_flight == 0 and e.gate.held == 0, "a gate slot leaked"
-    assert e.n_records() - before_records == e.up.model_calls - before_calls
+    assert e.n_records() - before_records == len(e.up.calls) - before_calls
 
 
 def post(e: Env, url: str, raw: bytes, headers: dict, kw: dict) -> httpx.Response:
@@ -291,7 +210,7 @@ def post(e: Env, url: str, raw: bytes, headers: dict, kw: dict) -> httpx.Respons
 def test_malformed_bodies_on_every_route(env, data, route, form, attempt):
     raw, kw = data.draw(bodies(route))
     url, headers = target(env, route, form, attempt)
-    calls, records = env.up.model_calls, env.n_records()
+    calls, records = len(env.up.calls), env.n_records()
     resp = post(env, url, raw, headers, kw)
     check_response(url, resp)
     if resp.status_code == 200 and "text/event-stream" in resp.headers.get("content-type", ""):
@@ -381,7 +300,7 @@ def test_upstream_garbage_never_a_500_or_a_bad_record(env, data, route, stream):
                                     stream and route == "chat/completions"))
     url, headers = target(env, route, "path")
     body = {**VALID[route], **({"stream": True} if stream else {})}
-    calls, records = env.up.model_calls, env.n_records()
+    calls, records = len(env.up.calls), env.n_records()
     env.up.plan = plan
     try:
         resp = post(env, url, dumps(body), headers, {})
@@ -396,7 +315,7 @@ def test_upstream_garbage_never_a_500_or_a_bad_record(env, data, route, stream):
 @pytest.mark.parametrize("end", ["eof", "cut"])
 def test_stream_cut_short_is_an_error_not_a_complete_answer(env, end):
     """An upstream that closes mid-stream: the agent gets an error event, never ``[DONE]``; the record says error."""
-    calls, records = env.up.model_calls, env.n_records()
+    calls, records = len(env.up.calls), env.n_records()
     env.up.plan = ("stream", good_stream_chunks()[:3], end)
     try:
         resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
@@ -410,7 +329,7 @@ def test_stream_cut_short_is_an_error_not_a_complete_answer(env, end):
 
 
 def test_missing_token_ids_are_recorded_without_tokens(env):
-    calls, records = env.up.model_calls, env.n_records()
+    calls, records = len(env.up.calls), env.n_records()
     body = corrupt(corrupt(good_chat(), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...)
     env.up.plan = ("body", 200, dumps(body))
     try:
@@ -427,7 +346,7 @@ def test_missing_token_ids_are_recorded_without_tokens(env):
 def test_bad_headers_and_paths(env):
     c, gw = env.client, env.gw.url
     chat = VALID["chat/completions"]
-    calls, records = env.up.model_calls, env.n_records()
+    calls, records = len(env.up.calls), env.n_records()
     cases = [
         # attempt ids that are digits to str.isdigit() but not decimal strings
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": b"\xb2"}, 400),

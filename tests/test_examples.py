@@ -18,12 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
 from agl_common.schemas import RolloutStatus
-from fastapi import FastAPI, Request
 
-from fakes import Served
+from fakes import Served, fake_upstream, tool_call
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_FILE = ROOT / "examples" / "arithmetic" / "task.py"
@@ -120,53 +118,31 @@ def _text(content) -> str:
     return str(content or "")
 
 
-def scripted_upstream() -> FastAPI:
-    """vLLM-shaped chat answers (token ids, logprobs) that follow the calculator script.
-
-    No tool result yet and tools offered: call the calculator on the question's two numbers (``calculator``
-    with ``op``, or ``add`` / ``subtract``). Otherwise: "The answer is N." with N from the last tool result.
-    """
-    app = FastAPI()
-    app.state.calls = []
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await request.json()
-        app.state.calls.append(body)
-        messages = body.get("messages", [])
-        question = next(_text(m.get("content")) for m in messages if m.get("role") == "user")
-        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
-        tools = {t["function"]["name"] for t in body.get("tools") or []}
-        message: dict = {"role": "assistant", "content": None}
-        if tools and not results:
-            a, b = (float(x) for x in re.findall(r"\d+", question)[:2])
-            minus = any(w in question for w in ("gives away", "fly away", "spent"))
-            if "calculator" in tools:
-                name, args = "calculator", {"a": a, "op": "-" if minus else "+", "b": b}
-            else:
-                name, args = ("subtract" if minus else "add"), {"a": a, "b": b}
-            assert name in tools, tools
-            message["tool_calls"] = [{"id": f"call_{len(app.state.calls)}", "type": "function",
-                                      "function": {"name": name, "arguments": orjson.dumps(args).decode()}}]
-            finish, ids = "tool_calls", [11, 12, 2]
+def calculator_reply(body: dict) -> dict | str:
+    """The calculator script: no tool result yet and tools offered: call the calculator on the question's two
+    numbers (``calculator`` with ``op``, or ``add`` / ``subtract``). Otherwise: "The answer is N." with N from
+    the last tool result."""
+    messages = body.get("messages", [])
+    question = next(_text(m.get("content")) for m in messages if m.get("role") == "user")
+    results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+    tools = {t["function"]["name"] for t in body.get("tools") or []}
+    if tools and not results:
+        a, b = (float(x) for x in re.findall(r"\d+", question)[:2])
+        minus = any(w in question for w in ("gives away", "fly away", "spent"))
+        if "calculator" in tools:
+            name, args = "calculator", {"a": a, "op": "-" if minus else "+", "b": b}
         else:
-            numbers = re.findall(r"-?\d+(?:\.\d+)?", results[-1] if results else "")
-            message["content"] = f"The answer is {float(numbers[-1]):g}." if numbers else "I do not know."
-            finish, ids = "stop", [7, 8, 9, 2]
-        prompt = [1] + [len(_text(m.get("content"))) % 50000 for m in messages]
-        return {"id": "chatcmpl-script", "object": "chat.completion", "created": 0, "model": body.get("model"),
-                "prompt_token_ids": prompt,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "token_ids": ids,
-                             "logprobs": {"content": [{"token": str(t), "logprob": -0.5, "bytes": None,
-                                                       "top_logprobs": []} for t in ids]}}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt) + len(ids)}}
+            name, args = ("subtract" if minus else "add"), {"a": a, "b": b}
+        assert name in tools, tools
+        return tool_call(name, args, f"call_{len(messages)}")
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", results[-1] if results else "")
+    return f"The answer is {float(numbers[-1]):g}." if numbers else "I do not know."
 
-    return app
+
+def scripted_upstream():
+    """The fake engine (tests/fakes.py) following the calculator script (:func:`calculator_reply`): vLLM-shaped
+    chat answers with token ids and logprobs; ``app.state.calls`` holds every request body."""
+    return fake_upstream(reply=calculator_reply, model=MODEL)
 
 
 @pytest.mark.parametrize("example", list(EXAMPLES))

@@ -25,7 +25,8 @@ import pytest
 import redis
 from agl_common.schemas import CallRecord, ControlCommand, ReplicaStatus, Rollout, RolloutStatus
 from agl_common.store import LAYOUT_VERSION, LayoutError, NotReplicated, Store, connect
-from test_reliability import GatewayProc, Upstream, chat, load_with_pause_resume, markers_in, sync_client
+from test_reliability import GatewayProc, chat, load_with_pause_resume, markers_in, sync_client
+from test_reliability import procs, upstream  # noqa: F401  (pytest fixtures)
 
 from fakes import Served, fake_upstream
 
@@ -200,22 +201,6 @@ async def test_gateway_controller_and_trainer_on_the_cluster(redis_cluster, clus
         for r in g.rollouts:
             assert len(await store.read_calls(r.rollout_id)) == r.input["calls"]
     assert await store.trained([g.group_id for g in batch.groups]) == [True, True]
-
-
-@pytest.fixture
-def upstream():
-    up = Upstream()
-    with Served(up.app) as s:
-        up.url = s.url
-        yield up
-
-
-@pytest.fixture
-def procs():
-    started: list = []
-    yield started
-    for p in reversed(started):
-        p.stop()
 
 
 @cluster

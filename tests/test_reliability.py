@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -35,50 +34,12 @@ import redis.cluster
 from agl_common.control import pause_and_drain, resume
 from agl_common.schemas import CallRecord
 from agl_common.store import REPLICA_LATE_S, Store
-from fakes import Served, free_port
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from fakes import Served, fake_upstream, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------ helpers
-class Upstream:
-    """vLLM-shaped chat answers after ``x_delay`` seconds; logs each arrival (``time.time()``) and the
-    number of calls in progress."""
-
-    def __init__(self):
-        self.arrivals: list[float] = []
-        self.active = 0
-        self.lock = threading.Lock()
-        self.app = Starlette(routes=[Route("/v1/models", self.models),
-                                     Route("/v1/chat/completions", self.chat, methods=["POST"])])
-
-    async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": "up", "object": "model"}]})
-
-    async def chat(self, request: Request):
-        with self.lock:
-            self.arrivals.append(time.time())
-            self.active += 1
-        try:
-            body = await request.json()
-            if body.get("x_delay"):
-                await asyncio.sleep(float(body["x_delay"]))
-            ids = [7, 8, 9, 2]
-            return JSONResponse({
-                "id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": body.get("model"),
-                "prompt_token_ids": [1, 2, 3],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
-                             "token_ids": ids, "logprobs": {"content": [{"token": "x", "logprob": -0.5}] * 4}}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
-        finally:
-            with self.lock:
-                self.active -= 1
-
-
 class GatewayProc:
     """``python -m agl_gateway serve`` as a subprocess; stdout+stderr go to ``log``."""
 
@@ -182,10 +143,10 @@ def markers_in(r: redis.Redis, prefix: str) -> tuple[Counter, list[CallRecord]]:
 
 @pytest.fixture
 def upstream():
-    up = Upstream()
-    with Served(up.app) as s:
-        up.url = s.url
-        yield up
+    """The fake engine (tests/fakes.py): answers after ``x_delay`` s; ``.app.state`` logs each arrival
+    (``arrivals``) and the number of calls in progress (``active``)."""
+    with Served(fake_upstream(model="up")) as s:
+        yield s
 
 
 @pytest.fixture
@@ -449,7 +410,7 @@ async def load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path, a
                 statuses = await pause_and_drain(store, timeout_s=30, poll_s=0.02)
             finally:
                 t_ack = time.time()
-                active = upstream.active
+                active = upstream.app.state.active
                 await asyncio.sleep(0.3)
                 t_resume = time.time()
                 await resume(store)
@@ -475,7 +436,7 @@ async def load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path, a
     assert len(cycles) >= 3
     for cy in cycles:
         assert cy["n"] == 2 and cy["in_flight"] == [0, 0] and cy["upstream_active"] == 0, cy
-        late = [t for t in upstream.arrivals if cy["ack"] < t < cy["resume"]]
+        late = [t for t in upstream.app.state.arrivals if cy["ack"] < t < cy["resume"]]
         assert not late, f"{len(late)} upstream calls started after a drain was acknowledged: {cy}"
     assert len(retried) <= 3, f"too many lost connections: {transport_errors}"
     # 0 lost, 0 duplicated: each rollout holds exactly its calls, seq 0..n-1, each marker once (a call the
@@ -483,7 +444,7 @@ async def load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path, a
     r = sync_client(redis_url)
     ok, records = markers_in(r, prefix)
     assert len(ok) == total and all(v == 1 or (v == 2 and m in retried) for m, v in ok.items())
-    assert len(records) == len(upstream.arrivals) == sum(ok.values())
+    assert len(records) == len(upstream.app.state.arrivals) == sum(ok.values())
     per_rollout = defaultdict(list)
     for rec in records:
         per_rollout[rec.rollout_id].append(rec.seq)

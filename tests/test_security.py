@@ -16,7 +16,6 @@ too, so protecting Redis (network policy, ``requirepass``/ACL) is what protects 
 from __future__ import annotations
 
 import socket
-import threading
 import uuid
 
 import httpx
@@ -24,51 +23,12 @@ import pytest
 import redis
 from agl_common.auth import scoped_key
 from agl_common.schemas import Rollout, RolloutStatus
-from fakes import Served
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from fakes import Served, fake_upstream
 from test_reliability import GatewayProc
 
 ADMIN = "adm1n-" + uuid.uuid4().hex
 BOGUS = "bogus-secret-" + uuid.uuid4().hex
 MAX_BODY = 4096
-
-
-class RecordingUpstream:
-    """vLLM-shaped answers; keeps every header and body it received (to check no secret reaches it)."""
-
-    def __init__(self):
-        self.seen: list[bytes] = []
-        self.lock = threading.Lock()
-        self.app = Starlette(routes=[Route("/v1/models", self.models),
-                                     Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                                     Route("/v1/completions", self.chat, methods=["POST"]),
-                                     Route("/tokenize", self.tokenize, methods=["POST"])])
-
-    async def _keep(self, request: Request) -> dict:
-        raw = await request.body()
-        with self.lock:
-            self.seen.append(repr(request.headers.items()).encode() + raw)
-        return await request.json() if raw else {}
-
-    async def models(self, request: Request):
-        await self._keep(request)
-        return JSONResponse({"object": "list", "data": [{"id": "up", "object": "model"}]})
-
-    async def tokenize(self, request: Request):
-        await self._keep(request)
-        return JSONResponse({"count": 7, "tokens": []})
-
-    async def chat(self, request: Request):
-        await self._keep(request)
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 1, "model": "up",
-                             "prompt_token_ids": [1, 2],
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "text": "ok",
-                                          "finish_reason": "stop", "token_ids": [3, 2],
-                                          "logprobs": {"content": [{"logprob": -1.0}] * 2}}],
-                             "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}})
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +38,8 @@ def deployed(redis_url, tmp_path_factory):
     for rid, attempt in (("r1", "0"), ("r2", "0"), ("r3", "1")):
         r.set(prefix + "rollout:{" + rid + "}", Rollout(rollout_id=rid, attempt_id=attempt,
                                                  status=RolloutStatus.running).model_dump_json())
-    up = RecordingUpstream()
     log = tmp_path_factory.mktemp("sec") / "gateway.log"
-    with Served(up.app) as ups:
+    with Served(fake_upstream(model="up")) as ups:  # keeps every header and body it receives (``requests``)
         gw = GatewayProc(ups.url, redis_url, prefix, "gw-sec", log,
                          extra=["--key", ADMIN, "--open", "--max-body-bytes", str(MAX_BODY), "--log-level", "debug"])
         gw.start()
@@ -90,7 +49,7 @@ def deployed(redis_url, tmp_path_factory):
         httpx.post(f"{gw.url}/rollouts/warm/attempts/0/v1/messages/count_tokens", json=BODIES["messages/count_tokens"],
                    headers=auth(ADMIN, anthropic=True), timeout=600)
         try:
-            yield gw, up, r, prefix, log
+            yield gw, ups.app.state, r, prefix, log
         finally:
             gw.stop()
     keys = list(r.scan_iter(match=prefix + "*", count=1000))
@@ -201,6 +160,7 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
                headers=auth(ADMIN))
         metrics = c.get(gw.url + "/metrics").text
     secrets = [ADMIN, mine, BOGUS]
+    engine_saw = [repr(headers).encode() + raw for headers, raw in up.requests]
     dump = []
     for key in r.scan_iter(match=prefix + "*", count=1000):
         kind = r.type(key)
@@ -222,8 +182,8 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
         assert s not in stored, "a secret was written to Redis"
         assert s not in logs, "a secret was written to the gateway's log"
         assert secret not in metrics, "a secret appears in /metrics"
-        assert not any(s in seen for seen in up.seen), "a secret was forwarded to the engine"
-    assert up.seen  # the engine did get calls
+        assert not any(s in seen for seen in engine_saw), "a secret was forwarded to the engine"
+    assert engine_saw  # the engine did get calls
 
 
 def test_request_and_header_sizes_are_bounded(deployed):

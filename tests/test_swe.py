@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 SWE = ROOT / "examples" / "swe"
@@ -379,34 +378,15 @@ def test_guard_grading_has_no_network(task, fix, listener):
 
 
 # ------------------------------------------------------------------ mini-SWE-agent through gateway + controller
-def chat_answer(text: str, messages: list) -> dict:
-    ids = [100 + (len(text) + i) % 500 for i in range(4)] + [2]
-    prompt = [1] + [len(str(m.get("content"))) % 50000 for m in messages]
-    return {"id": "chatcmpl-script", "object": "chat.completion", "created": 0, "model": MODEL,
-            "prompt_token_ids": prompt,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
-                         "token_ids": ids, "logprobs": {"content": [{"token": str(t), "logprob": -0.5, "bytes": None,
-                                                                     "top_logprobs": []} for t in ids]}}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + 5}}
-
-
 def scripted_swe_engine(script: list[str]):
-    """A vLLM-shaped chat engine that answers turn k of each conversation with ``script[k]``."""
-    app = FastAPI()
-    app.state.calls = []
+    """The fake engine (tests/fakes.py) answering turn k of each conversation with ``script[k]``."""
+    from fakes import fake_upstream
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await request.json()
-        app.state.calls.append(body)
+    def reply(body: dict) -> str:
         turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
-        return chat_answer(script[min(turn, len(script) - 1)], body["messages"])
+        return script[min(turn, len(script) - 1)]
 
-    return app
+    return fake_upstream(reply=reply, model=MODEL)
 
 
 def block(command: str) -> str:

@@ -2,9 +2,9 @@
 
 The upstream is a character-level stand-in engine: a prompt's token ids are the code points of the
 rendered chat (``<role>content\\n`` per message, then ``<assistant>``), the answer's ids are the code
-points of its text plus ``\\n`` (id 10, the end of turn), and the logprob of the k-th answer token is
-``-0.3 * k``. So :func:`decode` (``chr``) is an exact tokenizer, merges happen when a harness sends its
-history back unchanged, and a re-rendered assistant turn is a ``template_rerender`` merge break.
+points of its text plus ``\\n`` (id 10, the end of turn), and the logprobs are the fake engine's
+(:func:`fakes.chat_logprob`). So :func:`decode` (``chr``) is an exact tokenizer, merges happen when a harness
+sends its history back unchanged, and a re-rendered assistant turn is a ``template_rerender`` merge break.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 from agl_common.schemas import Rollout, RolloutStatus
-from fastapi import FastAPI, Request
+
+from fakes import fake_upstream
 
 EOS = 10
 
@@ -27,29 +28,12 @@ def render(messages: list[dict]) -> str:
     return "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>"
 
 
-def char_upstream() -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "char-model", "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await request.json()
-        prompt = [ord(c) for c in render(body["messages"])]
-        answer = body.get("x_answer", "7")
-        ids = [ord(c) for c in answer] + [EOS]
-        return {"id": "chatcmpl-char", "object": "chat.completion", "created": 1, "model": body.get("model"),
-                "prompt_token_ids": prompt,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop",
-                             "token_ids": ids,
-                             "logprobs": {"content": [{"token": chr(t), "logprob": -0.3 * k}
-                                                      for k, t in enumerate(ids)]}}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt) + len(ids)}}
-
-    return app
+def char_upstream():
+    """The fake engine (tests/fakes.py) with a character-level tokenizer; it answers a request's ``x_answer``
+    (default "7")."""
+    return fake_upstream(reply=lambda body: body.get("x_answer", "7"),
+                         prompt_ids=lambda body: [ord(c) for c in render(body["messages"])],
+                         reply_ids=lambda message: [ord(c) for c in message["content"]] + [EOS], model="char-model")
 
 
 def agent(gateway: str, rid: str, question: str, answer: str, rerender: bool) -> None:
