@@ -225,3 +225,20 @@ def test_backend_rejects_non_positive(tiny_model, tmp_path):
 
     with pytest.raises(ValueError):
         CpuBackend(tiny_model, tmp_path, bf16=False, ppo_mini_batch_rollouts=0)
+
+
+def test_logprobs_of_a_mixed_batch_match_one_full_forward_per_row(tiny_model, tmp_path):
+    """The LM head runs only from the shortest prompt on (``logits_to_keep``): each row's response logprobs
+    must still be those of its own full forward pass, whatever the other rows' prompt lengths."""
+    rows, _ = make_rows(seed=3)
+    assert len({len(r.prompt_ids) for r in rows}) > 2
+    b = backend(tiny_model, tmp_path)
+    got = b.logprobs(rows)  # one micro-batch of every row, prompts of 2 to 5 tokens
+    b.model.eval()
+    with torch.no_grad():
+        for r, lp in zip(rows, got):
+            ids = torch.tensor([r.full_ids()])
+            logits = b.model(input_ids=ids).logits[0, :-1]
+            want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[len(r.prompt_ids) - 1:]
+            assert len(lp) == len(r.response_ids)
+            torch.testing.assert_close(torch.tensor(lp), want, rtol=0, atol=1e-5)
