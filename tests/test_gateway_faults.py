@@ -301,6 +301,23 @@ def test_trainer_train_and_demo_take_redis_and_prefix(command, tmp_path, monkeyp
     assert [(c.redis_url, c.prefix) for c in seen] == [("redis://10.0.0.1:6380/3", "exp7:"), ("redis://h:1/2", "p:")]
 
 
+def test_train_seed_option_overrides_the_config(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda cfg, resume=None: seen.append(cfg))
+    config = tmp_path / "c.yaml"
+    config.write_text("steps: 1\nseed: 4\n")
+    runner = CliRunner()
+    assert runner.invoke(cli.app, ["train", str(config)]).exit_code == 0
+    assert runner.invoke(cli.app, ["train", str(config), "--seed", "9"]).exit_code == 0
+    assert [c.seed for c in seen] == [4, 9]
+    bad = runner.invoke(cli.app, ["train", str(config), "--seed", "x"])
+    assert bad.exit_code == 2 and len(seen) == 2
+
+
 # --------------------------------------------------------------------------- 12. a registry, only the Store
 async def test_replica_registry_lists_live_replicas_and_forgets_dead_ones(store):
     await store.heartbeat(ReplicaStatus(replica_id="a"))

@@ -88,17 +88,18 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
           resume: Path = typer.Option(None, exists=True, file_okay=False,
                                       help="continue this run directory from its last checkpoint"),
           backend: str = typer.Option(None, help="cpu or verl (default: the config's `backend` field)"),
+          seed: int = typer.Option(None, help="seed of the LoRA initialization, the group order and the "
+                                   "mini-batches (default: the config's `seed` field)"),
           logger: list[str] = LoggerOpt, redis: str = RunRedisOpt, prefix: str = RunPrefixOpt):
-    """Train with the settings in CONFIG (missing keys take the demo defaults)."""
+    """Train with the settings in CONFIG (missing keys take the demo defaults; options override it)."""
     from pydantic import ValidationError
 
     from .config import TrainConfig
 
+    options = {k: v for k, v in {"backend": backend, "seed": seed}.items() if v is not None}
     try:
         cfg = TrainConfig.from_yaml(config)
-        cfg = cfg.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix)})
-        if backend is not None:
-            cfg = TrainConfig.model_validate({**cfg.model_dump(), "backend": backend})
+        cfg = TrainConfig.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix), **options})
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {config}[/red]: {exc}")
         raise typer.Exit(2) from None
