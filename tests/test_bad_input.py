@@ -375,6 +375,24 @@ def test_bad_headers_and_paths(env):
     assert c.get(gw + "/healthz").status_code == 200
 
 
+@pytest.mark.parametrize("route", [r for r in MODEL_ROUTES if r != "messages/count_tokens"])  # (no stream)
+def test_stream_and_logprobs_flags_must_be_booleans(env, route):
+    """``"stream": "false"`` used to be read by truthiness (an SSE stream for an agent that asked for none);
+    a flag that is not a JSON boolean is a 400, and nothing reaches the engine or is recorded."""
+    url, _ = target(env, route, "path")
+    calls, records = len(env.up.calls), env.n_records()
+    flags = [("stream", "false"), ("stream", 0), ("stream", "no")]
+    flags += [("logprobs", "no"), ("logprobs", 1)] if route == "chat/completions" else []
+    for name, value in flags:
+        resp = env.client.post(url, json={**VALID[route], name: value})
+        assert resp.status_code == 400, (route, name, value, resp.status_code, resp.text[:300])
+        check_response(url, resp)
+        assert name in resp.text
+    settle(env, calls, records)
+    assert len(env.up.calls) == calls
+    assert env.client.post(url, json={**VALID[route], "stream": None}).status_code == 200  # null: the default
+
+
 def test_still_alive_after_everything(env):
     assert env.client.get(env.gw.url + "/healthz").json() == {"status": "ok"}
     assert env.client.get(env.gw.url + "/metrics").status_code == 200

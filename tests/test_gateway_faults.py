@@ -318,6 +318,36 @@ def test_train_seed_option_overrides_the_config(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and len(seen) == 2
 
 
+@pytest.mark.parametrize("version", ["-2", "99999999999999999999999", str(2**63)])
+def test_resume_refuses_a_version_outside_a_policy_version(version, redis_url, prefix):
+    """A negative or over-64-bit version used to be published, recorded on every later call, and then break
+    every export of the run (msgpack/Parquet cannot hold it): a usage error, nothing published."""
+    from pydantic import ValidationError
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    result = CliRunner().invoke(cli.app, ["gateway", "resume", "--model", "policy-v3", "--version", version,
+                                          "--redis", redis_url, "--prefix", prefix])
+    assert result.exit_code == 2 and "--version" in result.output
+
+    async def direct():
+        from agl_common.store import Store
+
+        st = Store(redis_url, prefix)
+        try:
+            with pytest.raises(ValidationError):
+                await resume(st, "policy-v3", int(version))
+            return await st.last_control()
+        finally:
+            await st.close()
+
+    assert asyncio.run(direct()) is None  # nothing was published
+    ok = CliRunner().invoke(cli.app, ["gateway", "resume", "--model", "policy-v3", "--version", str(2**63 - 1),
+                                      "--redis", redis_url, "--prefix", prefix])
+    assert ok.exit_code == 0, ok.output
+
+
 # --------------------------------------------------------------------------- 12. a registry, only the Store
 async def test_replica_registry_lists_live_replicas_and_forgets_dead_ones(store):
     await store.heartbeat(ReplicaStatus(replica_id="a"))

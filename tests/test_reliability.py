@@ -261,6 +261,30 @@ async def test_sigterm_during_a_pause_answers_held_calls_and_exits(redis_url, pr
         await store.close()
 
 
+@pytest.mark.parametrize("port", ["busy", "-1"])
+async def test_a_port_that_cannot_be_bound_exits_before_the_gateway_starts(redis_url, prefix, upstream, procs,
+                                                                          tmp_path, port):
+    """A port in use (here the fake engine's) or not a port: the process exits (uvicorn's start-up failure
+    code and the bind error; a usage error), without ever registering a replica. It used to log the error, run the
+    app's shutdown from inside its start-up and hang there (SIGTERM and SIGINT ignored) while its heartbeat
+    listed it as a live replica that every drain waited for."""
+    gw = GatewayProc(upstream.url, redis_url, prefix, "gw-nobind", tmp_path / "gw.log",
+                     port=int(upstream.url.rsplit(":", 1)[1]) if port == "busy" else -1)
+    procs.append(gw)
+    with pytest.raises(RuntimeError, match="did not start"):
+        gw.start(timeout_s=300)  # returns when the process exits (the bound is for one that hangs)
+    log = gw.log.read_text()
+    if port == "busy":
+        assert gw.proc.returncode == 3 and "address already in use" in log.lower(), log
+    else:  # the option's range, checked by the CLI
+        assert gw.proc.returncode == 2 and "greater" in log and "--port" in log, log
+    store = Store(redis_url, prefix)
+    try:
+        assert await store.replicas(include_late=True) == []
+    finally:
+        await store.close()
+
+
 async def test_redis_restart_loses_nothing_acknowledged_and_gateway_recovers(upstream, procs, tmp_path):
     rd = RedisProc(tmp_path).start()
     procs.append(rd)

@@ -125,6 +125,29 @@ def test_scoped_key_reaches_only_its_own_rollout_attempt(deployed):
         assert resp.status_code == 200 and r.get(prefix + "rollout:{by-admin}") is not None
 
 
+def test_a_key_outside_ascii_is_refused_not_a_500(deployed):
+    """Header bytes outside ASCII (Latin-1 text to the server) in either key header: 401, never a 500."""
+    gw = deployed[0]
+    url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
+    with httpx.Client(timeout=30) as c:
+        for headers in ({"Authorization": b"Bearer \xe9"}, {"x-api-key": b"\xff"},
+                        {"Authorization": "Bearer ".encode() + ADMIN.encode() + b"\xc3\xa9"}):
+            resp = c.post(url, json=BODIES["chat/completions"], headers=headers)
+            assert resp.status_code == 401, (headers, resp.status_code, resp.text[:200])
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_an_admin_key_outside_ascii_is_refused_at_start():
+    """No client could present it (HTTP header values are ASCII tokens): a usage error, not a gateway on
+    which every authenticated call fails."""
+    from typer.testing import CliRunner
+
+    from agl_gateway import cli
+
+    result = CliRunner().invoke(cli.app, ["serve", "--key", "s\u00ebkret", "--port", "1"])
+    assert result.exit_code == 2 and "admin key" in result.output
+
+
 def test_only_health_ready_and_metrics_answer_without_a_key(deployed):
     gw, _, _, _, _ = deployed
     with httpx.Client(timeout=30) as c:
@@ -187,7 +210,7 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
 
 
 def test_request_and_header_sizes_are_bounded(deployed):
-    gw, _, r, prefix, _ = deployed
+    gw = deployed[0]
     url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
     n_calls = r.xlen(prefix + "calls:{r1}")
     pad = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY}]}

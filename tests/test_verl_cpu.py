@@ -46,8 +46,13 @@ def _env() -> dict[str, str]:
 
 
 def _run(argv: list[str], log: Path, timeout: float) -> None:
+    """Run ``argv`` with its output in ``log``; on failure or timeout the log's tail is in the error (pytest's
+    temporary directories are rotated away, the log with them)."""
     with log.open("w") as f:
-        proc = subprocess.run(argv, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{argv[2:4]} still running after {timeout:g} s:\n{log.read_text()[-6000:]}", pytrace=False)
     assert proc.returncode == 0, f"{argv[2:4]} failed (rc {proc.returncode}):\n{log.read_text()[-6000:]}"
 
 

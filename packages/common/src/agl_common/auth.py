@@ -20,12 +20,14 @@ def scoped_key(secret: str, rollout_id: str, attempt_id: str) -> str:
 def key_allows(secret: str, presented: str | None, rollout_id: str | None, attempt_id: str | None) -> bool:
     """True if ``presented`` is the admin key, or the scoped key of this rollout attempt.
 
-    Comparisons are constant-time (``hmac.compare_digest``).
+    Comparisons are constant-time (``hmac.compare_digest``) on UTF-8 bytes: a presented key with characters
+    outside ASCII (a header's Latin-1 text) is simply not equal, never a ``TypeError``.
     """
     if not presented:
         return False
-    if hmac.compare_digest(presented, secret):
+    given = presented.encode("utf-8", "surrogatepass")
+    if hmac.compare_digest(given, secret.encode()):
         return True
     if rollout_id is None or attempt_id is None:
         return False
-    return hmac.compare_digest(presented, scoped_key(secret, rollout_id, attempt_id))
+    return hmac.compare_digest(given, scoped_key(secret, rollout_id, attempt_id).encode())

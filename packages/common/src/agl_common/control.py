@@ -72,7 +72,10 @@ async def _withdraw(store: Store) -> None:
 
 
 async def resume(store: Store, model: str | None = None, version: int | None = None) -> ControlCommand:
-    """Release held calls on every replica; with ``model`` set, route new calls to that policy."""
+    """Release held calls on every replica; with ``model`` set, route new calls to that policy.
+
+    Raises ``pydantic.ValidationError`` (nothing published) for a version outside :data:`PolicyVersion`.
+    """
     command = ControlCommand(cmd="resume", id=uuid.uuid4().hex, model=model, version=version)
     await store.publish_control(command)
     return command

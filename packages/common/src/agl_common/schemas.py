@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -126,6 +126,11 @@ class EventIn(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+#: A policy version number: 0 (the base model) and up, within a signed 64-bit integer (what msgpack, Parquet
+#: and the trackers store); a resume with any other version is refused before it reaches a gateway.
+PolicyVersion = Annotated[int, Field(ge=0, lt=2**63)]
+
+
 class ControlCommand(BaseModel):
     """A message on the gateway control channel.
 
@@ -137,7 +142,7 @@ class ControlCommand(BaseModel):
     cmd: Literal["pause", "resume"]
     id: str
     model: str | None = None
-    version: int | None = None
+    version: PolicyVersion | None = None
     #: pause only: Unix time (s) after which the pause is over on its own, so that a trainer killed
     #: between pause and resume cannot leave replicas (or replicas started later) paused for good.
     expires_at: float | None = None
@@ -160,4 +165,4 @@ class Policy(BaseModel):
     """The policy the gateway routes new calls to: a served model name and its version number."""
 
     model: str
-    version: int = 0
+    version: PolicyVersion = 0

@@ -23,7 +23,7 @@ def serve(
     redis: str = typer.Option(_D["redis_url"].default, envvar="AGL_REDIS_URL", help="Redis URL"),
     prefix: str = typer.Option(_D["prefix"].default, envvar="AGL_PREFIX", help="Redis key prefix"),
     host: str = typer.Option(_D["host"].default, envvar="AGL_HOST"),
-    port: int = typer.Option(_D["port"].default, envvar="AGL_PORT"),
+    port: int = typer.Option(_D["port"].default, envvar="AGL_PORT", min=0, max=65535),
     key: str = typer.Option(None, envvar="AGL_KEY", help="admin key; enables auth and rollout-scoped keys"),
     open_: bool = typer.Option(False, "--open", envvar="AGL_OPEN", help="create rollouts on first use"),
     max_hold: float = typer.Option(_D["max_hold"].default, envvar="AGL_MAX_HOLD",
@@ -35,11 +35,18 @@ def serve(
     log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL"),
 ) -> None:
     """Serve the gateway (uvicorn, one process)."""
+    from pydantic import ValidationError
+
     from .app import create_app
 
-    settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
-                               port=port, key=key, open=open_, max_hold=max_hold, max_body_bytes=max_body_bytes,
-                               otel=otel)
+    try:
+        settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
+                                   port=port, key=key, open=open_, max_hold=max_hold,
+                                   max_body_bytes=max_body_bytes, otel=otel)
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        typer.echo(f"error: invalid gateway settings: {errors}", err=True)
+        raise typer.Exit(2) from None
     run_server(create_app(settings), host=host, port=port, log_level=log_level)
 
 
@@ -55,8 +62,12 @@ def run_server(app_, **config) -> None:
 
     from .server import BoundedHttpToolsProtocol, GatewayServer
 
-    GatewayServer(uvicorn.Config(app_, access_log=False, http=BoundedHttpToolsProtocol,
-                                 timeout_graceful_shutdown=10, **config)).run()
+    server = GatewayServer(uvicorn.Config(app_, access_log=False, http=BoundedHttpToolsProtocol,
+                                          timeout_graceful_shutdown=10, **config))
+    # Bind before the app starts: a port in use (or not a port) exits at once (uvicorn's startup-failure
+    # code 3, its error logged), before any replica heartbeats or holds a Redis connection. Bound after
+    # start-up, the failed bind ran the app's shutdown from inside its start-up and hung there for good.
+    server.run(sockets=[server.config.bind_socket()])
 
 
 def main() -> None:

@@ -82,7 +82,11 @@ async def enter_gate(st: GatewayState) -> None:
 
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
-    ``ApiError`` 400 if it cannot be made."""
+    ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
+    boolean: ``"false"`` would otherwise read as true)."""
+    for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise bad_request(f"'{flag}' must be true or false, got {body[flag]!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
     if not isinstance(upstream.get("messages", []), list):
         raise bad_request("'messages' must be a list")

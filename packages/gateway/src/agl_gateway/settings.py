@@ -6,7 +6,7 @@ import os
 import socket
 
 from agl_common.settings import CommonSettings, engine_base_urls
-from pydantic import Field
+from pydantic import Field, field_validator
 
 
 class GatewaySettings(CommonSettings):
@@ -18,7 +18,7 @@ class GatewaySettings(CommonSettings):
     upstream: str = "http://127.0.0.1:8000/v1"
     model: str | None = None
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = Field(default=8080, ge=0, le=65535)
     key: str | None = None
     open: bool = False
     max_hold: float = 600.0
@@ -33,6 +33,14 @@ class GatewaySettings(CommonSettings):
     wait_timeout_ms: int = Field(default=1000, ge=0, description=(
         "how long to wait for them; fewer in time: 503 store_unavailable (the record may still exist)"))
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_header_token(cls, v: str | None) -> str | None:
+        """The admin key travels in an HTTP header: printable ASCII only (else no client could present it)."""
+        if v is not None and not (v and v.isascii() and v.isprintable() and v.strip() == v):
+            raise ValueError("the admin key must be non-empty printable ASCII without surrounding spaces")
+        return v
 
     @property
     def upstreams_v1(self) -> list[str]:

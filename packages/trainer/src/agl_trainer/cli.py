@@ -420,7 +420,7 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
 
 @gateway_app.command("resume")
 def gateway_resume(model: str = typer.Option(None, help="route new calls to this served model name"),
-                   version: int = typer.Option(None, help="policy version of that model"),
+                   version: int = typer.Option(None, min=0, max=2**63 - 1, help="policy version of that model"),
                    redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Release held calls on every replica."""
     from agl_common.control import resume
