@@ -151,6 +151,9 @@ def test_bad_export_options_are_clear(recorded, tmp_path):
     assert res.exit_code == 1 and "no record matched" in res.output and not (tmp_path / "x.parquet").exists()
     res = export(recorded, "--rollout", "nope")
     assert res.exit_code == 1 and "unknown rollout 'nope'" in res.output
+    for fmt in ("jsonl", "parquet"):  # a FileNotFoundError traceback before
+        res = export(recorded, "--format", fmt, "--out", str(tmp_path / "no" / "such" / f"x.{fmt}"))
+        assert res.exit_code == 2 and "does not exist" in res.output and not (tmp_path / "no").exists()
 
 
 def test_parquet_without_datasets_says_what_to_install(monkeypatch, tmp_path):

@@ -237,3 +237,21 @@ def test_a_config_out_of_range_is_a_usage_error_before_anything_starts(bad, comm
     field = bad.split(":")[0] if "[" not in bad else "YAML"
     assert field in result.output.replace("\n", " "), result.output
     assert ran == []
+
+
+@pytest.mark.parametrize("args", [["--input", '{"a": NaN}'], ["--input", '{"a": 1e999}'],
+                                  ["--input", '{"a": [1, {"b": -Infinity}]}'], ["--input", "{}", "--n", "0"],
+                                  ["--input", "[1]"]])
+def test_rollouts_create_refuses_what_it_would_store_changed_or_not_at_all(args, redis_url, prefix):
+    """``NaN`` / ``1e999`` used to be stored as null and ``--n 0`` to exit 0 having created nothing."""
+    import redis as redis_sync
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    result = CliRunner().invoke(cli.app, ["rollouts", "create", *args, "--redis", redis_url, "--prefix", prefix])
+    assert result.exit_code == 2, result.output
+    assert list(redis_sync.Redis.from_url(redis_url).scan_iter(match=prefix + "*")) == []
+    ok = CliRunner().invoke(cli.app, ["rollouts", "create", "--input", '{"a": 1.5}', "--redis", redis_url,
+                                      "--prefix", prefix])
+    assert ok.exit_code == 0, ok.output

@@ -240,10 +240,19 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
+def _numbers(value):
+    """Every float inside a parsed JSON value."""
+    if isinstance(value, float):
+        yield value
+    elif isinstance(value, dict | list):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _numbers(v)
+
+
 @rollouts_app.command("create")
 def rollouts_create(
     input_json: str = typer.Option(..., "--input", help="the rollout's input, as a JSON object"),
-    n: int = typer.Option(1, help="rollouts to create (one group)"),
+    n: int = typer.Option(1, min=1, help="rollouts to create (one group)"),
     group: str = typer.Option(None, help="group id (default: the first rollout's id)"),
     rollout_id: str = typer.Option(None, "--id", help="rollout id (with n > 1, suffixed -0, -1...)"),
     redis: str = RedisOpt, prefix: str = PrefixOpt,
@@ -253,10 +262,15 @@ def rollouts_create(
 
     from agl_common.schemas import Rollout
 
+    def not_json(constant: str):
+        raise ValueError(f"{constant} is not JSON (it would be stored as null)")
+
     try:
-        inp = json.loads(input_json)
+        inp = json.loads(input_json, parse_constant=not_json)
         if not isinstance(inp, dict):
             raise ValueError("input must be a JSON object")
+        if any(v in (float("inf"), float("-inf")) for v in _numbers(inp)):
+            raise ValueError("a number too large for a float (it would be stored as null)")
     except ValueError as exc:
         err.print(f"[red]invalid --input[/red]: {exc}")
         raise typer.Exit(2) from None
@@ -370,6 +384,9 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
         raise typer.Exit(2) from None
     if fmt == "parquet" and out is None:
         err.print("[red]--format parquet writes a file[/red]: give --out FILE.parquet")
+        raise typer.Exit(2) from None
+    if out is not None and not out.parent.is_dir():  # (checked before anything is read)
+        err.print(f"[red]--out {out}[/red]: directory {out.parent} does not exist")
         raise typer.Exit(2) from None
     stats = ExportStats()
 
