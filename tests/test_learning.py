@@ -255,3 +255,15 @@ def test_rollouts_create_refuses_what_it_would_store_changed_or_not_at_all(args,
     ok = CliRunner().invoke(cli.app, ["rollouts", "create", "--input", '{"a": 1.5}', "--redis", redis_url,
                                       "--prefix", prefix])
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("url,code,says", [("redis://127.0.0.1:1/0", 1, "Redis did not answer"),
+                                           ("redis+cluster://", 2, "invalid --redis")])
+def test_an_unreachable_or_malformed_redis_is_one_line_not_a_traceback(url, code, says):
+    env = {"PYTHONPATH": ":".join(str(ROOT / "packages" / p / "src")
+                                  for p in ("common", "gateway", "controller", "trainer")), "PATH": "/usr/bin:/bin"}
+    for args in (["rollouts", "list"], ["rollouts", "create", "--input", "{}"], ["gateway", "status"]):
+        proc = subprocess.run([sys.executable, "-m", "agl_trainer", *args, "--redis", url], capture_output=True,
+                              text=True, env=env, timeout=120)
+        assert proc.returncode == code and says in proc.stderr, (args, proc.returncode, proc.stderr[-800:])
+        assert "Traceback" not in proc.stderr

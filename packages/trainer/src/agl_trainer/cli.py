@@ -34,9 +34,14 @@ err = Console(stderr=True)
 
 
 def _store(redis: str, prefix: str):
+    """The ``Store`` of ``--redis`` / ``--prefix``; a URL or prefix it refuses is a usage error (exit 2)."""
     from agl_common.store import Store
 
-    return Store(redis, prefix)
+    try:
+        return Store(redis, prefix)
+    except ValueError as exc:
+        err.print(f"[red]invalid --redis / --prefix[/red]: {exc}")
+        raise typer.Exit(2) from None
 
 
 def _sigterm_as_interrupt() -> None:
@@ -482,4 +487,10 @@ def main() -> None:
         import os
 
         os.environ.setdefault("TQDM_DISABLE", "1")
-    app()
+    from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+    try:
+        app()
+    except (RedisConnectionError, RedisTimeoutError) as exc:  # one line, not a traceback
+        err.print(f"[red]Redis did not answer[/red]: {exc} (is it running? --redis / AGL_REDIS_URL)")
+        sys.exit(1)
