@@ -37,9 +37,15 @@ HOOK_MODULE = "agl_trainer.backends.verl_hook"
 
 
 def cpu_env(extra_modules: str = "") -> dict[str, str]:
-    """Environment for verl on CPU (set before ``import verl`` and ``ray.init``; Ray workers inherit it)."""
+    """Environment for verl on CPU (set before ``import verl`` and ``ray.init``; Ray workers inherit it).
+
+    ``RAY_worker_niceness=0``: Ray starts its workers at nice 15 by default (its system config
+    ``worker_niceness``), which on CPU means verl's actor, rollout server and agent-loop workers get ~3% of a
+    core beside any job at nice 0: the 3.5-minute test run did not finish in 15 minutes beside two busy loops.
+    """
     modules = ",".join(m for m in (HOOK_MODULE, extra_modules) if m)
     return {"AGL_VERL_CPU": "1", "VERL_PLATFORM": "agl_cpu", "VERL_USE_EXTERNAL_MODULES": modules,
+            "RAY_worker_niceness": "0",
             "VERL_USE_EXTERNAL_PLUGINS": "none", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
             "RAY_DEDUP_LOGS": "0", "WANDB_MODE": "disabled", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
 
