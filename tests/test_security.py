@@ -210,7 +210,7 @@ def test_secrets_never_reach_records_events_logs_metrics_or_the_engine(deployed)
 
 
 def test_request_and_header_sizes_are_bounded(deployed):
-    gw = deployed[0]
+    gw, _, r, prefix, _ = deployed
     url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
     n_calls = r.xlen(prefix + "calls:{r1}")
     pad = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
