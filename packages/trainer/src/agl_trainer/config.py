@@ -35,14 +35,16 @@ class TrainConfig(BaseModel):
     reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
     # sizes
     steps: int = Field(40, ge=1)
-    max_train_minutes: float | None = Field(30.0, gt=0, description="stop training after the step that passes this many "
-                                            "minutes of training (evaluations excluded); None: run every step")
+    max_train_minutes: float | None = Field(30.0, gt=0, description="stop training after the step that passes "
+                                            "this many minutes of training (evaluations excluded); None: run every "
+                                            "step")
     groups_per_step: int = Field(8, ge=1)
     group_size: int = Field(8, ge=1)
     eval_size: int = Field(256, ge=0, description="held-out inputs evaluated before and after training")
-    eval_every: int = Field(4, ge=0, description="during training, evaluate the first eval_subset held-out inputs every "
-                            "this many steps (0: never)")
-    eval_subset: int = Field(64, ge=0, description="held-out inputs of the evaluations during training (a fixed subset)")
+    eval_every: int = Field(4, ge=0, description="during training, evaluate the first eval_subset held-out inputs "
+                            "every this many steps (0: never)")
+    eval_subset: int = Field(64, ge=0, description="held-out inputs of the evaluations during training (a fixed "
+                             "subset)")
     concurrency: int = Field(32, ge=1)
     active_groups: int | None = Field(None, ge=1, description="groups in flight; more than groups_per_step = "
                                       "collocated async RL (None: synchronous)")
