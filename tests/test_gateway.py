@@ -99,7 +99,12 @@ async def test_finished_rollout_refuses_calls(store, redis_url, prefix, upstream
     await store.set_status("r1", RolloutStatus.failed, "timeout")
     with gateway(redis_url, prefix, upstream.url) as gw:
         r = httpx.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
+        late = httpx.post(f"{gw.url}/rollouts/r1/attempts/0/reward", json={"value": 1.0})
     assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_finished"
+    # a late reward does not rewrite a finished outcome (it used to be accepted and overwrite it)
+    assert late.status_code == 409 and late.json()["error"]["code"] == "rollout_finished", late.text
+    rollout = await store.get_rollout("r1")
+    assert (rollout.status, rollout.failure, rollout.reward) == (RolloutStatus.failed, "timeout", None)
 
 
 async def test_open_mode_creates_rollouts(store, redis_url, prefix, upstream):

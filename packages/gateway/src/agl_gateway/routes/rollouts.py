@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from agl_common.schemas import EventIn, RewardIn, Rollout
+from agl_common.schemas import TERMINAL, EventIn, RewardIn, Rollout
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -27,7 +27,8 @@ async def _parse(request: Request, model):
 
 @router.post("/reward")
 async def reward(request: Request):
-    """Set the attempt's reward (last write wins). 404 unknown rollout, 409 stale attempt."""
+    """Set the attempt's reward (last write wins while it runs). 404 unknown rollout, 409 stale attempt or a
+    rollout that already succeeded or failed (its outcome is final: the trainer may have read it)."""
     st = state_of(request)
     body: RewardIn = await _parse(request, RewardIn)
     if not math.isfinite(body.value):  # "inf"/"nan" parse as floats but would be stored as null
@@ -37,6 +38,9 @@ async def reward(request: Request):
     def change(r: Rollout) -> None:
         if r.attempt_id != ident.attempt_id:  # a retry started between the check and the write
             raise ApiError(409, "attempt is stale", "conflict_error", "stale_attempt")
+        if r.status in TERMINAL:
+            raise ApiError(409, f"rollout {r.rollout_id!r} is {r.status.value}: its reward is final",
+                           "conflict_error", "rollout_finished")
         r.reward, r.reward_message = body.value, body.message
 
     try:
