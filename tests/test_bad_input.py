@@ -393,6 +393,36 @@ def test_stream_and_logprobs_flags_must_be_booleans(env, route):
     assert env.client.post(url, json={**VALID[route], "stream": None}).status_code == 200  # null: the default
 
 
+@pytest.mark.parametrize("route, body", [
+    ("messages", {"messages": [{"role": "robot", "content": "hi"}]}),
+    ("messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}),
+    ("messages", {"messages": [{"role": "user", "content": 5}]}),
+    ("messages", {"messages": [{"role": "user"}]}),
+    ("messages", {"messages": [1, 2]}),
+    ("messages/count_tokens", {"messages": [{"role": "robot", "content": "hi"}]}),
+    ("responses", {"input": 5}),
+    ("responses", {"input": None}),
+    ("responses", {"input": []}),
+    ("responses", {"input": [5]}),
+    ("responses", {"input": [{"role": "robot", "content": "x"}]}),
+    ("responses", {"input": [{"type": "bogus"}]}),
+    ("chat/completions", {"messages": []}),
+    ("chat/completions", {"messages": [1, 2]}),
+    ("chat/completions", {"messages": [{"content": "no role"}]}),
+])
+def test_a_conversation_is_never_lost_in_translation(env, route, body):
+    """LiteLLM's adapters drop a turn they cannot read without a word: these bodies used to reach the engine
+    as an empty (or shortened) conversation and get a 200 answer to a question nobody asked (or the engine's
+    5xx). Each is a 400 naming the problem, and nothing reaches the engine or is recorded."""
+    url, _ = target(env, route, "path")
+    calls, records = len(env.up.calls), env.n_records()
+    resp = env.client.post(url, json={**VALID[route], **body})
+    assert resp.status_code == 400, (route, body, resp.status_code, resp.text[:300])
+    check_response(url, resp)
+    settle(env, calls, records)
+    assert len(env.up.calls) == calls
+
+
 def test_still_alive_after_everything(env):
     assert env.client.get(env.gw.url + "/healthz").json() == {"status": "ok"}
     assert env.client.get(env.gw.url + "/metrics").status_code == 200

@@ -80,6 +80,20 @@ async def enter_gate(st: GatewayState) -> None:
                        "server_error", "shutting_down", {"Retry-After": "1"}) from None
 
 
+def check_conversation(messages: Any) -> None:
+    """The engine's chat request holds a conversation: a non-empty list of objects with a string ``role``.
+    Checked after translation, for every route that ends on the engine's chat route, so that nothing
+    the agent sent is silently turned into an empty or unreadable conversation (the engine would answer
+    one with text nobody asked for, or a 5xx). Raises ``ApiError`` 400."""
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be a list of messages")
+    if not messages:
+        raise bad_request("the request holds no message to answer")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"message {i} must be an object with a string 'role', got {message!r:.40}")
+
+
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
     ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
@@ -88,8 +102,8 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise bad_request(f"'{flag}' must be true or false, got {body[flag]!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
-    if not isinstance(upstream.get("messages", []), list):
-        raise bad_request("'messages' must be a list")
+    if spec.path == "/chat/completions":
+        check_conversation(upstream.get("messages"))
     if not isinstance(body.get("model", ""), str):
         raise bad_request("'model' must be a string")
     if spec.to_upstream:

@@ -108,10 +108,31 @@ def _dump(obj: Any) -> dict[str, Any]:
     return orjson.loads(obj.model_dump_json(by_alias=True, exclude_none=False))
 
 
+def _check_turns(turns: Any, roles: tuple[str, ...], what: str, content_required: bool) -> None:
+    """Every turn of a translated conversation names a known role and, where required, has a content
+    (a string or a list of blocks). LiteLLM's adapters drop a turn they cannot read without a word: a
+    ``"robot"`` turn, or an Anthropic ``content: 5``, would reach the engine as a conversation without
+    it, and the agent would get an answer to a question it did not ask. Raises ``ApiError`` 400."""
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise bad_request(f"invalid {what} request: item {i} must be an object, got {turn!r:.40}")
+        if "role" in turn or content_required:
+            if turn.get("role") not in roles:
+                raise bad_request(f"invalid {what} request: item {i} has role {turn.get('role')!r:.40}; "
+                                  f"expected one of {', '.join(roles)}")
+            content = turn.get("content")
+            if (content_required or "content" in turn) and not isinstance(content, str | list):
+                raise bad_request(f"invalid {what} request: item {i} content must be a string or a list of "
+                                  f"blocks, got {content!r:.40}")
+
+
 # --------------------------------------------------------------------------------------- Anthropic
 def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """Anthropic Messages request → Chat Completions request. Raises ``ApiError`` 400 if LiteLLM refuses it."""
+    """Anthropic Messages request → Chat Completions request. Raises ``ApiError`` 400 for a turn with a role
+    other than ``user``/``assistant`` or without a string/list content, or if LiteLLM refuses it."""
     _, adapter, _ = _litellm()
+    if isinstance(body.get("messages"), list):
+        _check_turns(body["messages"], ("user", "assistant"), "Anthropic Messages", content_required=True)
     try:
         req = adapter.translate_completion_input_params(
             {k: v for k, v in body.items() if k not in ("stream",)})
@@ -165,10 +186,18 @@ def _responses_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI Responses request → Chat Completions request. Raises ``ApiError`` 400 on a bad request."""
+    """OpenAI Responses request → Chat Completions request. Raises ``ApiError`` 400 on a bad request: no
+    ``input``, one that is neither a string nor a list of items, an item that is not an object, or a message
+    item with a role other than ``user``/``assistant``/``system``/``developer``."""
     _, _, config = _litellm()
     if "input" not in body:
         raise bad_request("invalid Responses request: 'input' is required")
+    if not isinstance(body["input"], str | list):
+        raise bad_request(f"invalid Responses request: 'input' must be a string or a list of items, "
+                          f"got {body['input']!r:.40}")
+    if isinstance(body["input"], list):
+        _check_turns(body["input"], ("user", "assistant", "system", "developer"), "Responses",
+                     content_required=False)
     try:
         req = config.transform_responses_api_request_to_chat_completion_request(
             model=str(body.get("model") or "m"), input=body["input"], responses_api_request=_responses_params(body))
