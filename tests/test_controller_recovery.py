@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from agl_common.auth import scoped_key
 from agl_common.schemas import Rollout, RolloutStatus
 from agl_controller import LocalRunner
@@ -176,3 +177,30 @@ async def test_sigkilled_controller_converges_without_duplicates(store, gateway_
         for line in mark.read_text().splitlines() if mark.exists() else []:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(line.split()[2]), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--retry-on", "timeout,timeuot"], "'timeuot'"),
+    (["--reward-fn", "no_such_module_here:f"], "cannot import 'no_such_module_here'"),
+    (["--reward-fn", "json:no_such_function"], "has no 'no_such_function'"),
+    (["--reward-fn", "json:__name__"], "not callable"),
+    (["--reward-fn", "nocolon"], "module:function"),
+    (["--timeout", "-5"], "--timeout"),
+    (["--lease-ttl", "0"], "--lease-ttl"),
+])
+def test_bad_options_are_a_usage_error_before_anything_starts(args, says):
+    """A misspelt ``--retry-on`` reason used to be accepted (it never matched, so the failures it was meant
+    to retry ended their rollouts), and a ``--reward-fn`` that cannot be imported was a traceback; each is
+    one line and exit 2, before the controller touches Redis (the URL here answers nothing)."""
+    cmd = [sys.executable, "-m", "agl_controller", "run", "--mode", "local", "--command", "true",
+           "--redis", "redis://127.0.0.1:1/0", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and says in res.stderr, (res.returncode, res.stderr[-800:])
+    assert "Traceback" not in res.stderr
+
+
+def test_the_runner_checks_retry_on_itself():
+    with pytest.raises(ValueError, match="'sigal:9'"):
+        LocalRunner(None, "http://127.0.0.1:1", ["true"], "m", retry_on=["sigal:9"])
+    assert LocalRunner(None, "http://127.0.0.1:1", ["true"], "m", retry_on=["exit_code:75", "signal"]).retry_on \
+        == ("exit_code:75", "signal")

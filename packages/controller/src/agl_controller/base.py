@@ -45,16 +45,46 @@ DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controlle
                     "deadline_exceeded", "job_lost")
 
 
+#: Every failure reason a runner writes (``exit_code``, ``signal`` and ``job_failed`` carry a detail:
+#: ``exit_code:3``, ``job_failed:BackoffLimitExceeded``).
+FAILURE_REASONS = ("timeout", "exit_code", "signal", "oom_killed", "spawn_error", "template_error", "image_pull",
+                   "controller_lost", "evicted", "deadline_exceeded", "job_failed", "job_lost", "no_model_calls",
+                   "no_reward", "reward_error")
+
+
+def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
+    """``entries`` as a tuple, each checked to name a reason of :data:`FAILURE_REASONS` (alone or with a
+    detail, ``exit_code:75``). Raises ``ValueError`` naming the unknown entries: a misspelt reason would
+    otherwise never match, and the failures it was meant to retry would end their rollouts."""
+    entries = tuple(entries)
+    unknown = [e for e in entries if e.partition(":")[0] not in FAILURE_REASONS]
+    if unknown:
+        raise ValueError(f"unknown failure reason(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(FAILURE_REASONS)}")
+    return entries
+
+
 class Stale(Exception):
     """The rollout moved on (another attempt, or finished): this runner's result is dropped."""
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``."""
+    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``.
+
+    Raises ``ValueError`` (one line, the cause named) if ``spec`` is not ``module:function``, the module
+    cannot be imported, or it has no callable of that name."""
     module, _, name = spec.partition(":")
-    if not name:
+    if not module or not name:
         raise ValueError(f"reward function must be 'module:function', got {spec!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({exc})") from None
+    except AttributeError:
+        raise ValueError(f"reward function {spec!r}: module {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
 
 
 def final_output(calls: list[CallRecord]) -> str:
@@ -93,10 +123,12 @@ class Runner:
                  lease_ttl_s: float = 15.0):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.store = store
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None
         self.max_attempts = max_attempts
-        self.retry_on = tuple(retry_on)
+        self.retry_on = check_retry_on(retry_on)
         self.controller_id = controller_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shlex
 import signal
 
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 
-from .base import DEFAULT_RETRY_ON
+from .base import DEFAULT_RETRY_ON, check_retry_on, load_reward_fn
 
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
@@ -61,6 +62,16 @@ def run(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
+    try:  # checked before anything starts: a bad option is a usage error (exit 2), not a traceback
+        check_retry_on(retry)
+        if reward_fn:
+            load_reward_fn(reward_fn)
+        for name, value in (("--timeout", timeout), ("--lease-ttl", lease_ttl)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     common = dict(reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry, controller_id=controller_id,
                   lease_ttl_s=lease_ttl)
     if mode == "local":
