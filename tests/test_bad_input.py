@@ -358,7 +358,14 @@ def test_bad_headers_and_paths(env):
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r2", "X-AGL-Attempt-Id": "0"}, 409),
         (f"{gw}/rollouts/%FF%FE/attempts/0/v1/chat/completions", {}, 404),
         (f"{gw}/rollouts/r1/attempts/0/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 200),  # path wins
-        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 8000}, 404),
+        # ids that cannot name a rollout: too long, whitespace, control characters, hash-tag braces
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 8000}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "a b"}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1}"}, 400),
+        (f"{gw}/rollouts/%20/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/rollouts/r%0A1/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/rollouts/r%7B1%7D/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 256}, 404),  # the longest id: a valid name
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-Junk": "j" * 8000}, 200),
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Content-Type": "text/plain"}, 200),
     ]

@@ -271,3 +271,15 @@ async def test_pause_reaches_every_replica(store, redis_url, prefix, upstream):
             await resume(store)
             assert [(await t).status_code for t in held] == [200, 200]
     assert len(await store.read_calls("r1")) == 2
+
+
+async def test_the_store_refuses_a_rollout_id_that_cannot_name_one(store):
+    """Every way a rollout is created (the gateway's ``--open``, ``rollouts create``, the trainer) goes through
+    ``Store.create_rollout``: an id with whitespace, a control character or a hash-tag brace, or an empty or
+    over-long one, is refused there and nothing is stored."""
+    for rid in ("", " ", "a\tb", "a\x00b", "x{y", "y}", "r" * 257):
+        with pytest.raises(ValueError, match="rollout id"):
+            await store.create_rollout(Rollout(rollout_id=rid))
+    assert await store.queued_ids() == []
+    await store.create_rollout(Rollout(rollout_id="ok-é:1/2"))  # anything else printable is a name
+    assert await store.queued_ids() == ["ok-é:1/2"]

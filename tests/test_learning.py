@@ -241,9 +241,11 @@ def test_a_config_out_of_range_is_a_usage_error_before_anything_starts(bad, comm
 
 @pytest.mark.parametrize("args", [["--input", '{"a": NaN}'], ["--input", '{"a": 1e999}'],
                                   ["--input", '{"a": [1, {"b": -Infinity}]}'], ["--input", "{}", "--n", "0"],
-                                  ["--input", "[1]"]])
+                                  ["--input", "[1]"], ["--input", "{}", "--rollout-id", "a b"],
+                                  ["--input", "{}", "--rollout-id", "x{y}"], ["--input", "{}", "--rollout-id", "r" * 300]])
 def test_rollouts_create_refuses_what_it_would_store_changed_or_not_at_all(args, redis_url, prefix):
-    """``NaN`` / ``1e999`` used to be stored as null and ``--n 0`` to exit 0 having created nothing."""
+    """``NaN`` / ``1e999`` used to be stored as null, ``--n 0`` to exit 0 having created nothing, and any
+    string to be a rollout id (a space, a hash-tag brace, 300 characters)."""
     import redis as redis_sync
     from typer.testing import CliRunner
 

@@ -45,6 +45,23 @@ def check_transition(old: RolloutStatus, new: RolloutStatus) -> None:
         raise InvalidTransition(f"rollout cannot move from {old.value} to {new.value}")
 
 
+#: Longest rollout id, in characters.
+ROLLOUT_ID_MAX = 256
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """Return ``rollout_id`` if it can name a rollout: 1 to :data:`ROLLOUT_ID_MAX` characters, none of them
+    whitespace, a control character, ``{`` or ``}`` (Redis Cluster hash-tag delimiters: every key of a
+    rollout is tagged ``{rollout_id}``). Raises ``ValueError`` saying which rule it breaks."""
+    if not 0 < len(rollout_id) <= ROLLOUT_ID_MAX:
+        raise ValueError(f"rollout id must be 1 to {ROLLOUT_ID_MAX} characters, got {len(rollout_id)}")
+    bad = next((c for c in rollout_id if c.isspace() or not c.isprintable() or c in "{}"), None)
+    if bad is not None:
+        raise ValueError(f"rollout id must not contain whitespace, control characters, '{{' or '}}': "
+                         f"{rollout_id!r:.60} holds {bad!r}")
+    return rollout_id
+
+
 class Rollout(BaseModel):
     """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group."""
 

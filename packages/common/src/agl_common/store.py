@@ -73,6 +73,7 @@ from .schemas import (
     Rollout,
     RolloutStatus,
     TERMINAL,
+    check_rollout_id,
     check_transition,
 )
 from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
@@ -277,7 +278,9 @@ class Store:
 
     # ---------------------------------------------------------------- rollouts
     async def create_rollout(self, rollout: Rollout, enqueue: bool = True) -> Rollout:
-        """Store a new rollout (fails with ``ValueError`` if the id exists) and queue it."""
+        """Store a new rollout and queue it. Raises ``ValueError`` if the id exists or cannot name a rollout
+        (:func:`~agl_common.schemas.check_rollout_id`)."""
+        check_rollout_id(rollout.rollout_id)
         await self.ensure_layout()
         key = self.rollout_key("rollout", rollout.rollout_id)
         ok = await self.r.set(key, rollout.model_dump_json(), nx=True)

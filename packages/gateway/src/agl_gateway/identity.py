@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from agl_common.auth import key_allows
-from agl_common.schemas import TERMINAL, Rollout, RolloutStatus
+from agl_common.schemas import TERMINAL, Rollout, RolloutStatus, check_rollout_id
 from agl_common.store import RolloutNotFound
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -56,11 +56,17 @@ def _header(request: Request, name: str) -> str | None:
 def named_attempt(request: Request) -> tuple[str | None, str | None]:
     """``(rollout_id, attempt_id)`` as named by the path or else the headers; ``None`` where not named.
 
-    Raises ``ApiError`` 400 for an attempt id that is not a canonical decimal or a header that is not UTF-8.
+    Raises ``ApiError`` 400 for a rollout id that cannot name a rollout (``invalid_rollout``), an attempt id
+    that is not a canonical decimal or a header that is not UTF-8.
     """
     params = request.path_params
     rid = params.get("rollout_id") or _header(request, "x-agl-rollout-id")
     aid = params.get("attempt_id") or _header(request, "x-agl-attempt-id")
+    if rid:
+        try:
+            check_rollout_id(rid)
+        except ValueError as exc:
+            raise bad_request(str(exc), "invalid_rollout") from None
     # ASCII digits only ("²" and "٣" are str.isdigit), no leading zero ("01" is not attempt 1's name)
     if aid is not None and not (aid.isascii() and aid.isdigit() and (aid == "0" or aid[0] != "0")):
         raise bad_request(f"attempt id must be a decimal without leading zeros, got {aid!r}", "invalid_attempt")

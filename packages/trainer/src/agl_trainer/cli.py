@@ -256,7 +256,7 @@ def rollouts_create(
     """Queue rollouts for the controller; prints their ids."""
     import uuid
 
-    from agl_common.schemas import Rollout
+    from agl_common.schemas import Rollout, check_rollout_id
 
     import orjson
 
@@ -269,6 +269,12 @@ def rollouts_create(
         raise typer.Exit(2) from None
     base = rollout_id or uuid.uuid4().hex[:12]
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+    try:
+        for rid in ids:
+            check_rollout_id(rid)
+    except ValueError as exc:
+        err.print(f"[red]invalid --rollout-id[/red]: {exc}")
+        raise typer.Exit(2) from None
 
     async def main():
         store = _store(redis, prefix)
