@@ -432,3 +432,15 @@ async def test_the_event_loop_answers_while_litellm_is_imported(store, redis_url
             finally:
                 release.set()
             assert (await call).status_code == 200
+
+
+@pytest.mark.parametrize("upstream", ["notaurl", "http://", "ftp://h:8000", "http://h:99999", ",", "http://a:8000,b"])
+def test_an_upstream_that_is_not_an_engine_url_is_a_usage_error(upstream):
+    """``--upstream notaurl`` used to start a gateway that retried an unreachable engine for ever; every entry
+    of the comma-separated list must be an http(s) URL with a host (and a port in range)."""
+    from typer.testing import CliRunner
+
+    from agl_gateway import cli
+
+    result = CliRunner().invoke(cli.app, ["serve", "--upstream", upstream, "--port", "1"])
+    assert result.exit_code == 2 and "upstream" in result.output, (upstream, result.output)

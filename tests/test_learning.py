@@ -219,7 +219,8 @@ def test_piped_cli_prints_no_progress_bars():
 @pytest.mark.parametrize("bad", ["steps: -1", "group_size: 0", "groups_per_step: 0", "lr: -1", "lr: .nan",
                                  "seed: 1180591620717411303424", "eval_size: -5", "concurrency: 0",
                                  "min_group_size: 0", "min_group_size: 9\ngroup_size: 8", "micro_batch_tokens: 0",
-                                 "rollout_timeout_s: -1", "clip_c: 0.5", "steps: ["])
+                                 "rollout_timeout_s: -1", "clip_c: 0.5", "steps: [", "engine_url: notaurl",
+                                 "engine_url: http://h:99999"])
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_a_config_out_of_range_is_a_usage_error_before_anything_starts(bad, command, tmp_path, monkeypatch):
     """Nonsense sizes (and a file that is not YAML) used to pass, and a run started the engine and the whole
@@ -241,8 +242,9 @@ def test_a_config_out_of_range_is_a_usage_error_before_anything_starts(bad, comm
 
 @pytest.mark.parametrize("args", [["--input", '{"a": NaN}'], ["--input", '{"a": 1e999}'],
                                   ["--input", '{"a": [1, {"b": -Infinity}]}'], ["--input", "{}", "--n", "0"],
-                                  ["--input", "[1]"], ["--input", "{}", "--rollout-id", "a b"],
-                                  ["--input", "{}", "--rollout-id", "x{y}"], ["--input", "{}", "--rollout-id", "r" * 300]])
+                                  ["--input", "[1]"], ["--input", "{}", "--id", "a b"],
+                                  ["--input", "{}", "--id", "x{y}"],
+                                  ["--input", "{}", "--id", "r" * 300]])
 def test_rollouts_create_refuses_what_it_would_store_changed_or_not_at_all(args, redis_url, prefix):
     """``NaN`` / ``1e999`` used to be stored as null, ``--n 0`` to exit 0 having created nothing, and any
     string to be a rollout id (a space, a hash-tag brace, 300 characters)."""
@@ -252,11 +254,25 @@ def test_rollouts_create_refuses_what_it_would_store_changed_or_not_at_all(args,
     from agl_trainer import cli
 
     result = CliRunner().invoke(cli.app, ["rollouts", "create", *args, "--redis", redis_url, "--prefix", prefix])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 2 and "No such option" not in result.output, result.output
     assert list(redis_sync.Redis.from_url(redis_url).scan_iter(match=prefix + "*")) == []
     ok = CliRunner().invoke(cli.app, ["rollouts", "create", "--input", '{"a": 1.5}', "--redis", redis_url,
                                       "--prefix", prefix])
     assert ok.exit_code == 0, ok.output
+
+
+def test_an_error_that_quotes_brackets_is_printed_as_written(redis_url, prefix):
+    """Error text is not Rich markup: an id or message holding ``[/...]`` used to crash the CLI (MarkupError,
+    exit 1) instead of printing the error."""
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    result = CliRunner().invoke(cli.app, ["rollouts", "create", "--input", "{}", "--id", "[/red] x",
+                                          "--redis", redis_url, "--prefix", prefix])
+    assert result.exit_code == 2 and "[/red] x" in result.output, (result.output, result.exception)
+    shown = CliRunner().invoke(cli.app, ["rollouts", "show", "[/bold]", "--redis", redis_url, "--prefix", prefix])
+    assert shown.exit_code == 1 and "[/bold]" in shown.output, (shown.output, shown.exception)
 
 
 @pytest.mark.parametrize("url,code,says", [("redis://127.0.0.1:1/0", 1, "Redis did not answer"),

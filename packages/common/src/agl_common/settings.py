@@ -6,6 +6,8 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,8 +18,22 @@ DEFAULT_PREFIX = "agl:"
 def engine_base_urls(value: str) -> list[str]:
     """Engine base URLs from a comma-separated list (``agl-gateway serve --upstream``, the trainer's
     ``engine_url``), each stripped of spaces, a trailing ``/`` and a trailing ``/v1``:
-    ``"http://a:8000/v1, http://b:8000/"`` → ``["http://a:8000", "http://b:8000"]``."""
-    return [u.strip().rstrip("/").removesuffix("/v1") for u in value.split(",") if u.strip()]
+    ``"http://a:8000/v1, http://b:8000/"`` → ``["http://a:8000", "http://b:8000"]``.
+
+    Raises ``ValueError`` for an empty list or an entry that is not an ``http(s)://host[:port]`` URL (one
+    such, ``notaurl``, used to be retried as an unreachable engine for ever)."""
+    urls = [u.strip().rstrip("/").removesuffix("/v1") for u in value.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("no engine URL given")
+    for url in urls:
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError as exc:
+            raise ValueError(f"engine URL {url!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL {url!r} must be http(s)://host[:port][/path]")
+    return urls
 
 
 class CommonSettings(BaseSettings):

@@ -34,6 +34,12 @@ class GatewaySettings(CommonSettings):
         "how long to wait for them; fewer in time: 503 store_unavailable (the record may still exist)"))
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_is_engine_urls(cls, v: str) -> str:
+        engine_base_urls(v)  # ValueError for an entry that is not an http(s) URL: a usage error at start
+        return v
+
     @field_validator("key")
     @classmethod
     def _key_is_a_header_token(cls, v: str | None) -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, help="AGL trainer: harnessed agentic RL.")
@@ -40,7 +41,7 @@ def _store(redis: str, prefix: str):
     try:
         return Store(redis, prefix)
     except ValueError as exc:
-        err.print(f"[red]invalid --redis / --prefix[/red]: {exc}")
+        err.print(f"[red]invalid --redis / --prefix[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
 
 
@@ -106,7 +107,7 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
         cfg = TrainConfig.from_yaml(config)
         cfg = TrainConfig.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix), **options})
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {config}[/red]: {exc}")
+        err.print(f"[red]invalid config {escape(str(config))}[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
     cfg = _with_loggers(cfg, logger)
     if cfg.backend == "verl":
@@ -191,7 +192,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     try:
         cfg = TrainConfig.from_yaml(config)
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {config}[/red]: {exc}")
+        err.print(f"[red]invalid config {escape(str(config))}[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
     cfg = _with_loggers(cfg, logger)
     if n < 1:
@@ -234,7 +235,7 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
     try:
         decoder = load_decoder(tokenizer)
     except FileNotFoundError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     app_ = create_app(redis, prefix, runs_dir, decoder)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -265,7 +266,7 @@ def rollouts_create(
         if not isinstance(inp, dict):
             raise ValueError("input must be a JSON object")
     except ValueError as exc:  # (orjson.JSONDecodeError is a ValueError)
-        err.print(f"[red]invalid --input[/red]: {exc}")
+        err.print(f"[red]invalid --input[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
     base = rollout_id or uuid.uuid4().hex[:12]
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
@@ -273,7 +274,7 @@ def rollouts_create(
         for rid in ids:
             check_rollout_id(rid)
     except ValueError as exc:
-        err.print(f"[red]invalid --rollout-id[/red]: {exc}")
+        err.print(f"[red]invalid --id[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
 
     async def main():
@@ -287,7 +288,7 @@ def rollouts_create(
     try:
         asyncio.run(main())
     except ValueError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     for rid in ids:
         console.print(rid)
@@ -341,7 +342,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     try:
         rollout, calls = asyncio.run(main())
     except RolloutNotFound:
-        err.print(f"[red]unknown rollout {rollout_id!r}[/red]")
+        err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
         raise typer.Exit(1) from None
     if as_json:
         sys.stdout.write(json.dumps({**rollout.model_dump(mode="json"),
@@ -375,17 +376,18 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     try:
         state = RolloutStatus(status) if status is not None else None
     except ValueError:
-        err.print(f"[red]invalid --status {status!r}[/red]: choose {', '.join(s.value for s in RolloutStatus)}")
+        err.print(f"[red]invalid --status {escape(repr(status))}[/red]: "
+                  f"choose {', '.join(s.value for s in RolloutStatus)}")
         raise typer.Exit(2) from None
     if shape not in ("calls", "rows", "messages") or fmt not in ("jsonl", "parquet"):
-        err.print(f"[red]invalid --shape {shape!r} or --format {fmt!r}[/red]: shapes calls, rows, messages; "
-                  "formats jsonl, parquet")
+        err.print(f"[red]invalid --shape {escape(repr(shape))} or --format {escape(repr(fmt))}[/red]: "
+                  "shapes calls, rows, messages; formats jsonl, parquet")
         raise typer.Exit(2) from None
     if fmt == "parquet" and out is None:
         err.print("[red]--format parquet writes a file[/red]: give --out FILE.parquet")
         raise typer.Exit(2) from None
     if out is not None and not out.parent.is_dir():  # (checked before anything is read)
-        err.print(f"[red]--out {out}[/red]: directory {out.parent} does not exist")
+        err.print(f"[red]--out {escape(str(out))}[/red]: directory {escape(str(out.parent))} does not exist")
         raise typer.Exit(2) from None
     stats = ExportStats()
 
@@ -401,10 +403,10 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
         write(records, shape, fmt, out, sys.stdout.buffer)
         sys.stdout.flush()
     except RolloutNotFound:
-        err.print(f"[red]unknown rollout {rollout!r}[/red]")
+        err.print(f"[red]unknown rollout {escape(repr(rollout))}[/red]")
         raise typer.Exit(1) from None
     except ExportError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     if out is not None or stats.skipped_calls:
         skipped = ", ".join(f"{n} {k}" for k, n in stats.skipped_calls.items())
@@ -429,7 +431,7 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
     try:
         replicas = asyncio.run(main())
     except DrainTimeout as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     console.print(f"paused and drained: {len(replicas)} replica(s)")
 
@@ -486,5 +488,5 @@ def main() -> None:
     try:
         app()
     except (RedisConnectionError, RedisTimeoutError) as exc:  # one line, not a traceback
-        err.print(f"[red]Redis did not answer[/red]: {exc} (is it running? --redis / AGL_REDIS_URL)")
+        err.print(f"[red]Redis did not answer[/red]: {escape(str(exc))} (is it running? --redis / AGL_REDIS_URL)")
         sys.exit(1)

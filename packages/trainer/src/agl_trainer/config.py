@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, engine_base_urls
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class TrainConfig(BaseModel):
@@ -106,6 +106,13 @@ class TrainConfig(BaseModel):
             raise ValueError(f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size}):"
                              " no group could ever be trained")
         return self
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_url_is_urls(cls, v: str | None) -> str | None:
+        if v is not None:
+            engine_base_urls(v)  # ValueError for an entry that is not an http(s) URL
+        return v
 
     @classmethod
     def from_yaml(cls, path: Path) -> "TrainConfig":
