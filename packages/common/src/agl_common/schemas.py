@@ -52,12 +52,15 @@ ROLLOUT_ID_MAX = 256
 def check_rollout_id(rollout_id: str) -> str:
     """Return ``rollout_id`` if it can name a rollout: 1 to :data:`ROLLOUT_ID_MAX` characters, none of them
     whitespace, a control character, ``{`` or ``}`` (Redis Cluster hash-tag delimiters: every key of a
-    rollout is tagged ``{rollout_id}``). Raises ``ValueError`` saying which rule it breaks."""
+    rollout is tagged ``{rollout_id}``) or U+FFFD (what bytes that are not UTF-8 decode to: a path holding
+    ``%FF`` would otherwise name a different rollout than the bytes sent). Raises ``ValueError`` saying
+    which rule it breaks."""
     if not 0 < len(rollout_id) <= ROLLOUT_ID_MAX:
         raise ValueError(f"rollout id must be 1 to {ROLLOUT_ID_MAX} characters, got {len(rollout_id)}")
-    bad = next((c for c in rollout_id if c.isspace() or not c.isprintable() or c in "{}"), None)
+    bad = next((c for c in rollout_id if c.isspace() or not c.isprintable() or c in "{}\ufffd"), None)
     if bad is not None:
-        raise ValueError(f"rollout id must not contain whitespace, control characters, '{{' or '}}': "
+        raise ValueError(f"rollout id must not contain whitespace, control characters, '{{', '}}' or U+FFFD "
+                         f"(bytes that are not UTF-8): "
                          f"{rollout_id!r:.60} holds {bad!r}")
     return rollout_id
 
