@@ -43,7 +43,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 import orjson
 import psutil
 import redis
+from agl_trainer.services import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -78,10 +78,6 @@ ROUTE_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "resp
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -1,6 +1,7 @@
 """A real Redis Cluster on loopback for tests and benchmarks: 3 masters + 3 replicas from ``redis-server``.
 
-Each node is a ``redis-server --cluster-enabled yes`` on a free port (its bus port, +10000, free too), with
+Each node is a ``redis-server --cluster-enabled yes`` on a free port below the kernel's ephemeral range (its
+bus port, +10000, free too), with
 ``cluster-node-timeout`` 1000 ms (a replica takes over ~1-2 s after its master dies) and
 ``cluster-require-full-coverage no`` (the slots of live masters stay writable meanwhile). The nodes are
 joined by ``redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes``. Nothing persists: each node
@@ -15,36 +16,21 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import redis
+from agl_trainer.services import free_port
 
 NODE_TIMEOUT_MS = 1000
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(n: int) -> list[int]:
-    """``n`` ports free on loopback whose cluster bus ports (+10000) are free too."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 55000 and port not in out and _free(port + 10000):
-            out.append(port)
-    return out
+    """``n`` loopback ports free now whose cluster bus ports (+10000) are free too, all below the kernel's
+    ephemeral range (:func:`agl_trainer.services.free_port`): a killed node is restarted on its port later."""
+    return [free_port(plus=10000) for _ in range(n)]
 
 
 class LocalCluster:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 from typing import Callable
 
 import orjson
 import uvicorn
+from agl_trainer.services import free_port  # noqa: F401 (tests import it from here)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -43,10 +43,6 @@ _VLLM_BODY_NULLS = {"service_tier": None, "system_fingerprint": None, "prompt_lo
                     "kv_transfer_params": None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,42 @@ import httpx
 import redis
 
 
-def free_port() -> int:
+def _ephemeral_low() -> int:
+    """The lowest port Linux hands out for outgoing connections and ``bind(0)`` (default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(plus: int = 0) -> int:
+    """A loopback port free now, below the kernel's ephemeral range; with ``plus``,
+    ``port + plus`` is free and below the range too (a Redis Cluster node's bus port is ``port + 10000``).
+
+    Below the range, because a port picked inside it (as ``bind(0)`` picks) can be taken by any outgoing
+    connection between the pick and the service's own bind ("Address already in use", seen in a test run).
+    A port is handed out once per process (two picks before either service binds never collide). Raises
+    ``RuntimeError`` if no such port is found in 1000 tries."""
+    high = _ephemeral_low() - plus
+    rng = random.Random()
+    for _ in range(1000) if high > 10000 else ():
+        port = rng.randrange(10000, high)
+        if port not in _handed_out and _bindable(port) and (not plus or _bindable(port + plus)):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in 10000-{high}")
+
+
+_handed_out: set[int] = set()
 
 
 def _die_with_parent() -> None:
