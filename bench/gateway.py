@@ -78,8 +78,6 @@ ROUTE_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "resp
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

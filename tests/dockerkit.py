@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 
 
 def run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -39,7 +40,6 @@ def run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.Completed
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 
 
 class Unavailable(Exception):

@@ -42,6 +42,9 @@ def _bindable(port: int) -> bool:
     return True
 
 
+_handed_out: set[int] = set()  # every port free_port returned in this process
+
+
 def free_port(plus: int = 0) -> int:
     """A loopback port free now, below the kernel's ephemeral range; with ``plus``,
     ``port + plus`` is free and below the range too (a Redis Cluster node's bus port is ``port + 10000``).
@@ -51,16 +54,13 @@ def free_port(plus: int = 0) -> int:
     A port is handed out once per process (two picks before either service binds never collide). Raises
     ``RuntimeError`` if no such port is found in 1000 tries."""
     high = _ephemeral_low() - plus
-    rng = random.Random()
-    for _ in range(1000) if high > 10000 else ():
-        port = rng.randrange(10000, high)
-        if port not in _handed_out and _bindable(port) and (not plus or _bindable(port + plus)):
-            _handed_out.add(port)
-            return port
+    if high > 10000:
+        for _ in range(1000):
+            port = random.randrange(10000, high)
+            if port not in _handed_out and _bindable(port) and (not plus or _bindable(port + plus)):
+                _handed_out.add(port)
+                return port
     raise RuntimeError(f"no free loopback port in 10000-{high}")
-
-
-_handed_out: set[int] = set()
 
 
 def _die_with_parent() -> None:
