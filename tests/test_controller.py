@@ -115,3 +115,29 @@ async def test_concurrency_limit_and_shutdown_hands_runs_back(store, gateway_url
     assert sorted(r.attempt_id for r in rollouts) == ["0", "1", "1"]
     assert sorted(i.decode() for i in await store.r.lrange(store.key("queue"), 0, -1)) == ["s0", "s1", "s2"]
     assert await store.claimed(runner.controller_id) == []
+
+
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
+async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gateway_url, tmp_path, monkeypatch,
+                                                                    preload):
+    """The controller's own secrets (the admin key, the Redis URL with its password, anything else it was
+    started with) never reach a harness; PATH-like basics and what ``pass_env`` names do."""
+    monkeypatch.setenv("AGL_KEY", "k3y")
+    monkeypatch.setenv("AGL_REDIS_URL", "redis://:hunter2@127.0.0.1:6379/0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
+    monkeypatch.setenv("MY_TOKEN", "mine")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    env_out = tmp_path / "env.json"
+    out = await run(store, gateway_url, tmp_path, {"e": {"calls": 1, "reward": 1.0, "env_out": str(env_out)}},
+                    preload=preload, pass_env=["MY_*"])
+    assert out["e"].status == RolloutStatus.succeeded, out["e"].failure
+    env = json.loads(env_out.read_text())
+    assert not {"AGL_KEY", "AGL_REDIS_URL", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    assert "k3y" not in json.dumps(env) and "hunter2" not in json.dumps(env)
+    assert env["MY_TOKEN"] == "mine" and env["LC_ALL"] == "C.UTF-8" and env["PATH"]
+    assert env["OPENAI_API_KEY"] == scoped_key("k3y", "e", "0")
+
+
+def test_pass_env_names_are_checked(store, gateway_url, tmp_path):
+    with pytest.raises(ValueError, match="not a variable name"):
+        LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path, pass_env=["A=B"])

@@ -187,6 +187,7 @@ async def test_sigkilled_controller_converges_without_duplicates(store, gateway_
     (["--reward-fn", "nocolon"], "module:function"),
     (["--timeout", "-5"], "--timeout"),
     (["--lease-ttl", "0"], "--lease-ttl"),
+    (["--pass-env", "MY_*,TOKEN=x"], "'TOKEN=x' is not a variable name"),
 ])
 def test_bad_options_are_a_usage_error_before_anything_starts(args, says):
     """A misspelt ``--retry-on`` reason used to be accepted (it never matched, so the failures it was meant

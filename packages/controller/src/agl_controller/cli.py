@@ -17,7 +17,7 @@ from .base import DEFAULT_RETRY_ON, check_retry_on, load_reward_fn
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
 
-def _modules(text: str | None) -> list[str]:
+def _csv(text: str | None) -> list[str]:
     return [m.strip() for m in (text or "").split(",") if m.strip()]
 
 
@@ -53,6 +53,10 @@ def run(
     preload: str = typer.Option(None, "--preload", envvar="AGL_PRELOAD",
                                 help="local, Python harnesses: comma-separated modules imported once; each run is "
                                      "forked from that warm interpreter instead of started anew"),
+    pass_env: str = typer.Option(None, "--pass-env", envvar="AGL_PASS_ENV",
+                                 help="local: comma-separated names (or globs like MY_*) of this controller's "
+                                      "variables each run gets; by default a run gets only PATH, HOME, locale and "
+                                      "the like, plus the contract's variables (never AGL_KEY or AGL_REDIS_URL)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="k8s: print the rendered Job manifests and exit"),
     inputs: list[str] = typer.Option(None, "--input", help="k8s --dry-run: a rollout input as JSON (repeatable); "
                                                              "default: the rollouts now queued in Redis"),
@@ -78,10 +82,17 @@ def run(
         if not command:
             typer.echo("--command is required in local mode", err=True)
             raise typer.Exit(2)
+        from .local import passed_env
         from .spawn import LaunchError, Launcher
 
+        try:
+            passed_env({}, _csv(pass_env))
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
         try:  # checked before anything starts: a command preload cannot fork is a usage error
-            Launcher(shlex.split(command), _modules(preload))
+            Launcher(shlex.split(command), _csv(preload))
         except LaunchError as exc:
             typer.echo(f"--preload: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -104,7 +115,7 @@ def run(
             from .local import LocalRunner
 
             runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
-                                 log_dir=log_dir, preload=_modules(preload), **common)
+                                 log_dir=log_dir, preload=_csv(preload), pass_env=_csv(pass_env), **common)
         else:
             from .k8s import K8sRunner, load_api_client
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import json
 import logging
 import os
@@ -42,6 +43,26 @@ from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa
 from .spawn import Launcher
 
 log = logging.getLogger("agl.controller")
+
+
+#: What a harness still gets of the controller's own environment unless told more (``pass_env``): what any
+#: process needs to run, nothing that grants access. The controller's ``AGL_KEY`` (the admin key),
+#: ``AGL_REDIS_URL`` (with its password) and whatever else it was started with stay out.
+BASE_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "TMPDIR",
+                 "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "HF_HOME", "HF_HUB_OFFLINE",
+                 "TRANSFORMERS_OFFLINE")
+
+
+def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
+    """The entries of ``environ`` whose names match one of ``names`` (exact names or ``fnmatch`` globs: ``LC_*``).
+
+    Raises ``ValueError`` for an empty name or one with ``=``.
+    """
+    patterns = list(names)
+    for pat in patterns:
+        if not pat or "=" in pat:
+            raise ValueError(f"pass-env: {pat!r} is not a variable name (or a glob like LC_*)")
+    return {k: v for k, v in environ.items() if any(fnmatch.fnmatchcase(k, pat) for pat in patterns)}
 
 
 def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None) -> dict[str, str]:
@@ -89,6 +110,9 @@ class LocalRunner(Runner):
         key: the gateway admin key, to derive rollout-scoped keys (None: auth off).
         reward_fn: ``module:function`` used when the run reported no reward itself.
         log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log``.
+        extra_env: variables set for every run (``NAME → value``), under the contract's own.
+        pass_env: names (or globs) of the controller's variables a run gets besides :data:`BASE_PASS_ENV`;
+            nothing else of the controller's environment reaches a harness.
         max_attempts, retry_on, controller_id, lease_ttl_s: see :class:`agl_controller.base.Runner`.
         preload: Python modules to import once and fork each run from (:mod:`agl_controller.spawn`);
             empty: exec the command for each run.
@@ -101,7 +125,7 @@ class LocalRunner(Runner):
                  reward_fn: str | None = None, log_dir: Path | str = "runs/logs", cwd: str | None = None,
                  extra_env: dict[str, str] | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0, preload: list[str] | None = None):
+                 lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = ()):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
                          controller_id=controller_id, lease_ttl_s=lease_ttl_s)
         self.gateway_url = gateway_url
@@ -114,6 +138,8 @@ class LocalRunner(Runner):
         self.log_dir = Path(log_dir)
         self.cwd = cwd
         self.extra_env = extra_env or {}
+        self.pass_env = (*BASE_PASS_ENV, *pass_env)
+        passed_env({}, self.pass_env)  # ValueError for a bad name, before anything runs
         self._sem = asyncio.Semaphore(concurrency)
         self._procs: dict[str, object] = {}  # rollout id → a process with ``pid`` (its process group)
         self._tasks: set[asyncio.Task] = set()
@@ -190,7 +216,8 @@ class LocalRunner(Runner):
         if rollout is None:
             return None
         aid = rollout.attempt_id
-        env = {**os.environ, **self.extra_env, **harness_env(self.gateway_url, rollout, self.model, self.key)}
+        env = {**passed_env(dict(os.environ), self.pass_env), **self.extra_env,
+               **harness_env(self.gateway_url, rollout, self.model, self.key)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{rollout_id}.{aid}.log"
         failure: str | None = None

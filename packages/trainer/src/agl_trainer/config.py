@@ -27,6 +27,9 @@ class TrainConfig(BaseModel):
                               "summary.json (the two-call agent: arithmetic-self-check)")
     preload: list[str] = Field(["agents"], description="Python harnesses: modules the controller imports once and "
                                "forks every run from (agl-controller --preload); [] starts each run anew")
+    harness_env: list[str] = Field([], description="names (or globs like MY_*) of variables of the trainer's "
+                                   "environment each harness run gets (agl-controller --pass-env); without them a "
+                                   "run gets only PATH, HOME, locale and the like, plus the contract's variables")
     task_file: str = Field("examples/arithmetic/task.py", description="Python file with the task functions")
     train_fn: str = "train_problems"
     heldout_fn: str = "heldout_problems"

@@ -139,7 +139,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
         gateway = cfg.gateway_url or svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
         svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                             eval_dir / "logs" / "rollouts", cfg.reward_fn)
+                             eval_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)

@@ -61,7 +61,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
             gateway = svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
         svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                             run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload)
+                             run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
         console.print(f"engine {engine}, gateway {gateway}, redis {redis_url}, run {run_dir}")
         return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))
 

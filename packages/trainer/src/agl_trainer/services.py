@@ -198,7 +198,9 @@ class Services:
 
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
                          concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
-                         preload: list[str] | None = None) -> None:
+                         preload: list[str] | None = None, pass_env: list[str] | None = None) -> None:
+        """Start ``agl-controller run --mode local``; ``pass_env``: names of this process's variables each harness
+        run gets besides the controller's safe defaults (``--pass-env``)."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
                 "--gateway", gateway_url, "--redis", redis_url, "--prefix", prefix, "--model", model,
                 "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
@@ -206,5 +208,7 @@ class Services:
             argv += ["--reward-fn", reward_fn]
         if preload:
             argv += ["--preload", ",".join(preload)]
+        if pass_env:
+            argv += ["--pass-env", ",".join(pass_env)]
         self.start("controller", argv)
         self.expect_running("controller")

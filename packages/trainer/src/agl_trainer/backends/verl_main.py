@@ -100,7 +100,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
                                                            backend.model_name)
             svc.start_controller(cfg.command.replace("python ", svc.python + " ", 1), gateway, redis_url,
                                  cfg.prefix, backend.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                                 run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload)
+                                 run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
             console.print(f"verl engines {addresses}, gateway {gateway}, redis {redis_url}, run {run_dir} "
                           f"(verl ready after {time.time() - t0:.0f} s)")
             try:
