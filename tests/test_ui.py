@@ -139,6 +139,35 @@ def test_bad_input_gets_clear_pages(recorded, redis_url):
         assert httpx.get(f"{down.url}/api/gateway", timeout=60).json()["error"]["title"] == "Redis is not reachable"
 
 
+def test_the_redis_password_is_never_shown(tmp_path):
+    """The footer of every page, the error pages and the start-up line used to print the Redis URL whole."""
+    url = f"redis://agl:hunter2@127.0.0.1:{free_port()}/0"
+    with Served(create_app(url, "x:", tmp_path)) as ui:
+        pages = [httpx.get(ui.url + path, timeout=60) for path in ("/", "/rollouts/r1", "/nothing/here")]
+    assert [p.status_code for p in pages] == [200, 503, 404]
+    for page in pages:
+        assert "hunter2" not in page.text and "agl:***@127.0.0.1" in page.text, page.text[-600:]
+    proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "ui", "--port", str(free_port()), "--runs-dir",
+                             str(tmp_path), "--redis", url, "--tokenizer", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "AGL dashboard" in line and "hunter2" not in line and "agl:***@" in line, line
+
+
+def test_redacted_url():
+    from agl_common.settings import redacted_url
+
+    assert redacted_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redacted_url("redis://u:p%40w@h/1") == "redis://u:***@h/1"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert redacted_url("redis+cluster://:pw@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
+
+
 def test_group_and_rollout_pages_show_what_redis_holds(recorded):
     """The numbers of the group page against the Store (the browser test clicks through the same pages)."""
     view = redis_view(recorded)

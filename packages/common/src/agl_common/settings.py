@@ -15,6 +15,20 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "agl:"
 
 
+def redacted_url(url: str) -> str:
+    """``url`` as it may be shown (logs, pages, messages): a password in it replaced by ``***``;
+    ``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``. Every place that prints a Redis URL uses this."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:  # not parseable: show nothing of it that could be a secret
+        return "<unparseable URL>"
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def engine_base_urls(value: str) -> list[str]:
     """Engine base URLs from a comma-separated list (``agl-gateway serve --upstream``, the trainer's
     ``engine_url``), each stripped of spaces, a trailing ``/`` and a trailing ``/v1``:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, redacted_url
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -239,7 +239,7 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
         raise typer.Exit(2) from None
     app_ = create_app(redis, prefix, runs_dir, decoder)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redis} "
+    console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redacted_url(redis)} "
                   f"prefix {prefix!r}; Ctrl-C stops it)", soft_wrap=True)
     sys.stdout.flush()
     uvicorn.run(app_, host=host, port=port, log_level="warning")

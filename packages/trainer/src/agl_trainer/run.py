@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from agl_common.settings import redacted_url
 from rich.console import Console
 
 from .config import TrainConfig
@@ -62,7 +63,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
                              run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
-        console.print(f"engine {engine}, gateway {gateway}, redis {redis_url}, run {run_dir}")
+        console.print(f"engine {engine}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir}")
         return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))
 
 

@@ -67,6 +67,7 @@ def _server_events(addresses: list[str]) -> dict:
 
 def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = False) -> dict:
     """The whole verl run (services included). Returns the loop's summary."""
+    from agl_common.settings import redacted_url
     from rich.console import Console
 
     from ..config import TrainConfig
@@ -101,7 +102,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
             svc.start_controller(cfg.command.replace("python ", svc.python + " ", 1), gateway, redis_url,
                                  cfg.prefix, backend.model_name, cfg.concurrency, cfg.rollout_timeout_s,
                                  run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
-            console.print(f"verl engines {addresses}, gateway {gateway}, redis {redis_url}, run {run_dir} "
+            console.print(f"verl engines {addresses}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir} "
                           f"(verl ready after {time.time() - t0:.0f} s)")
             try:
                 summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend))

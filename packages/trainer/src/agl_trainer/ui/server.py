@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from agl_common.settings import redacted_url
 from agl_common.store import RolloutNotFound, Store
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
@@ -58,6 +59,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
     runs_dir = Path(runs_dir)
     decoder = decoder or Decoder()
     store = Store(redis_url, prefix, max_connections=32)
+    redis_url = redacted_url(redis_url)  # only ever shown from here on: never its password
     traces = TraceCache(store, decoder)
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.globals.update(poll_ms=POLL_MS, redis_url=redis_url, prefix=prefix, runs_dir=str(runs_dir),
