@@ -328,19 +328,101 @@ def test_stream_cut_short_is_an_error_not_a_complete_answer(env, end):
     assert CallRecord.model_validate_json(last).status == "error"
 
 
-def test_missing_token_ids_are_recorded_without_tokens(env):
+def last_record(env) -> CallRecord:
+    return CallRecord.model_validate_json(env.r.xrevrange(env.prefix + "calls:{r1}", count=1)[0][1][b"d"])
+
+
+def two_choices() -> dict:
+    body, other = good_chat(), good_chat()["choices"][0]
+    body["choices"].append({**other, "index": 1, "token_ids": [4, 5]})
+    body["usage"]["completion_tokens"] = len(IDS) + 2  # usage counts every choice's tokens
+    return body
+
+
+#: answers that must never be recorded as good: (name, route, engine's answer, what the record's error says)
+NEVER_GOOD = [
+    ("no-prompt-ids", "chat/completions", lambda: corrupt(good_chat(), ("prompt_token_ids",), ...),
+     "prompt token ids missing"),
+    ("no-ids-no-usage", "chat/completions",
+     lambda: corrupt(corrupt(good_chat(), ("choices", 0, "token_ids"), ...), ("usage",), ...),
+     "response token ids missing"),
+    ("no-ids-at-all", "chat/completions",
+     lambda: corrupt(corrupt(good_chat(), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...),
+     "prompt token ids missing"),
+    ("chat-logprob-missing", "chat/completions",
+     lambda: corrupt(good_chat(), ("choices", 0, "logprobs", "content", 1, "logprob"), ...), "logprobs missing"),
+    ("chat-logprob-null", "chat/completions",
+     lambda: corrupt(good_chat(), ("choices", 0, "logprobs", "content", 0, "logprob"), None), "logprobs missing"),
+    ("completion-logprob-null", "completions",
+     lambda: corrupt(good_completion(), ("choices", 0, "logprobs", "token_logprobs", 1), None), "logprobs missing"),
+]
+
+
+@pytest.mark.parametrize("name, route, answer, says", NEVER_GOOD, ids=[c[0] for c in NEVER_GOOD])
+def test_invented_or_missing_data_is_never_recorded_as_good(env, name, route, answer, says):
+    """A missing logprob used to be recorded as 0.0 (an invented behaviour logprob in the PPO ratio), and
+    an answer without prompt token ids, or without token ids and usage, as ``ok`` with empty ids. The agent
+    still gets the engine's answer; the record says why it is not training data."""
     calls, records = len(env.up.calls), env.n_records()
-    body = corrupt(corrupt(good_chat(), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...)
-    env.up.plan = ("body", 200, dumps(body))
+    env.up.plan = ("body", 200, dumps(answer()))
     try:
-        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
-                               json=VALID["chat/completions"])
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/{route}", json=VALID[route])
     finally:
         env.up.plan = None
     assert resp.status_code == 200
     settle(env, calls, records)
-    rec = CallRecord.model_validate_json(env.r.xrevrange(env.prefix + "calls:{r1}", count=1)[0][1][b"d"])
-    assert rec.response_token_ids == [] and rec.prompt_token_ids == [] and rec.response_logprobs is None
+    rec = last_record(env)
+    assert rec.status == "error" and says in rec.error, (rec.status, rec.error)
+    assert rec.response_logprobs is None or 0.0 not in rec.response_logprobs
+
+
+def test_n_above_one_is_recorded_ok_with_choice_0(env):
+    """usage.completion_tokens sums every choice: every ``n > 1`` call used to be an error ("4 of 6")."""
+    calls, records = len(env.up.calls), env.n_records()
+    env.up.plan = ("body", 200, dumps(two_choices()))
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                               json={**VALID["chat/completions"], "n": 2})
+    finally:
+        env.up.plan = None
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 2
+    settle(env, calls, records)
+    rec = last_record(env)
+    assert rec.status == "ok" and rec.error is None and rec.response_token_ids == IDS
+    body = two_choices()
+    body["usage"]["completion_tokens"] = len(IDS) + 3  # one token id of choice 1 lost: still caught
+    env.up.plan = ("body", 200, dumps(body))
+    try:
+        env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                        json={**VALID["chat/completions"], "n": 2})
+    finally:
+        env.up.plan = None
+    assert last_record(env).error == f"token ids incomplete: {len(IDS) + 2} of {len(IDS) + 3}"
+
+
+def test_a_stream_that_fails_mid_generation_is_recorded_as_an_error(env):
+    """vLLM ends a generation that fails with an ``error`` event and then ``[DONE]``: that call used to be
+    recorded ``ok`` with the truncated ids and ``finish_reason: null``. The agent gets the error event."""
+    chunks = good_stream_chunks()[:3]  # the role chunk and two token chunks, no finish reason
+    error = b'data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n'
+    calls, records = len(env.up.calls), env.n_records()
+    env.up.plan = ("stream", chunks + [error], "done")
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                               json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    assert resp.status_code == 200 and "engine died" in resp.text
+    settle(env, calls, records)
+    rec = last_record(env)
+    assert rec.status == "error" and "engine error during generation: engine died" in rec.error, rec.error
+    env.up.plan = ("stream", chunks, "done")  # no error event, but no finish reason either
+    try:
+        env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                        json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    assert last_record(env).status == "error" and "no finish reason" in last_record(env).error
 
 
 def test_bad_headers_and_paths(env):
@@ -365,6 +447,15 @@ def test_bad_headers_and_paths(env):
         (f"{gw}/rollouts/%20/attempts/0/v1/chat/completions", {}, 400),
         (f"{gw}/rollouts/r%0A1/attempts/0/v1/chat/completions", {}, 400),
         (f"{gw}/rollouts/r%7B1%7D/attempts/0/v1/chat/completions", {}, 400),
+        # ids that would misroute: the same refusal in both forms of the route
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "x%41"}, 400),
+        (f"{gw}/rollouts/x%2541/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "a?b"}, 400),
+        (f"{gw}/rollouts/a%3Fb/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "a#b"}, 400),
+        (f"{gw}/rollouts/a%23b/attempts/0/v1/chat/completions", {}, 400),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "../r1"}, 400),
+        (f"{gw}/rollouts/..%5Cr1/attempts/0/v1/chat/completions", {}, 400),
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 256}, 404),  # the longest id: a valid name
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-Junk": "j" * 8000}, 200),
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Content-Type": "text/plain"}, 200),

@@ -131,7 +131,8 @@ async def test_upstream_failures_map_to_502_504_and_are_recorded(store, redis_ur
         r = httpx.post(url, json={**MSG, "x_fail": "null"})
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
     calls = await store.read_calls("r1")
-    assert [c.status for c in calls] == ["error", "error", "ok", "error"]
+    assert [c.status for c in calls] == ["error", "error", "error", "error"]  # (the dict: never recorded as good)
+    assert "prompt token ids missing" in calls[2].error
     assert calls[2].response_token_ids == []  # garbage answer: recorded, but yields no training row
 
 
@@ -277,9 +278,13 @@ async def test_the_store_refuses_a_rollout_id_that_cannot_name_one(store):
     """Every way a rollout is created (the gateway's ``--open``, ``rollouts create``, the trainer) goes through
     ``Store.create_rollout``: an id with whitespace, a control character or a hash-tag brace, or an empty or
     over-long one, is refused there and nothing is stored."""
-    for rid in ("", " ", "a\tb", "a\x00b", "x{y", "y}", "r" * 257):
+    # ...and one that would not be the same string in a URL path, a header, a file name and Redis:
+    # ``x%41`` was recorded as ``xA``, ``a/b`` could not spawn, ``a?b``/``a#b`` got 404, ``../x`` wrote
+    # its log outside the log directory
+    for rid in ("", " ", "a\tb", "a\x00b", "x{y", "y}", "r" * 257, "x%41", "a/b", "a?b", "a#b", "..", "../x",
+                ".hidden", "-opt", "ok-é", "a\\b"):
         with pytest.raises(ValueError, match="rollout id"):
             await store.create_rollout(Rollout(rollout_id=rid))
     assert await store.queued_ids() == []
-    await store.create_rollout(Rollout(rollout_id="ok-é:1/2"))  # anything else printable is a name
-    assert await store.queued_ids() == ["ok-é:1/2"]
+    await store.create_rollout(Rollout(rollout_id="ok_1.2~3:4@5-6"))  # ASCII letters, digits and ._~:@-
+    assert await store.queued_ids() == ["ok_1.2~3:4@5-6"]

@@ -212,19 +212,28 @@ async def test_token_ids_shorter_than_usage_are_flagged_not_trained(store, redis
 
 
 # --------------------------------------------------------------------------- 7-8. identity
-async def test_attempt_ids_are_canonical_and_rollout_ids_are_utf8_in_both_forms(store, redis_url, prefix, upstream):
-    await make_rollout(store, "r-é")
+async def test_attempt_ids_are_canonical_and_rollout_ids_name_one_rollout_in_both_forms(store, redis_url, prefix,
+                                                                                       upstream):
+    """A rollout id is the same string in the path, in the header, in a file name and in Redis: ids of
+    RFC 3986's unreserved characters plus ``:@`` reach their rollout in both forms; anything else (not ASCII,
+    not UTF-8, ``%``-escapes of other characters) is a 400 in both forms and nothing is recorded."""
+    await make_rollout(store, "r_1.2~3:4@5")
     await make_rollout(store)
     with gateway(redis_url, prefix, upstream.url) as gw:
         assert httpx.post(f"{gw.url}/rollouts/r1/attempts/01/v1/chat/completions", json=MSG).status_code == 400
         assert httpx.post(f"{gw.url}/v1/chat/completions", json=MSG,
                           headers={"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": "00"}).status_code == 400
-        a = httpx.post(f"{gw.url}/rollouts/r-%C3%A9/attempts/0/v1/chat/completions", json=MSG)
-        b = httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": "r-é".encode()})
-        c = httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": b"r-\xe9"})
+        a = httpx.post(f"{gw.url}/rollouts/r_1.2~3:4@5/attempts/0/v1/chat/completions", json=MSG)
+        b = httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": "r_1.2~3:4@5"})
+        refused = [httpx.post(f"{gw.url}/rollouts/r-%C3%A9/attempts/0/v1/chat/completions", json=MSG),
+                   httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": "r-é".encode()}),
+                   httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": b"r-\xe9"}),
+                   httpx.post(f"{gw.url}/rollouts/r%251/attempts/0/v1/chat/completions", json=MSG),
+                   httpx.post(f"{gw.url}/v1/chat/completions", json=MSG, headers={"X-AGL-Rollout-Id": "r%31"})]
     assert a.status_code == 200 and b.status_code == 200
-    assert c.status_code == 400  # not UTF-8: refused, not stored under another id
-    assert len(await store.read_calls("r-é")) == 2
+    assert [r.status_code for r in refused] == [400] * 5
+    assert {r.json()["error"]["code"] for r in refused} <= {"invalid_rollout", "invalid_header"}
+    assert len(await store.read_calls("r_1.2~3:4@5")) == 2 and await store.read_calls("r1") == []
 
 
 async def test_header_form_keys_answer_the_same_on_every_route(store, redis_url, prefix, upstream):

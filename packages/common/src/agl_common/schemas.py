@@ -7,6 +7,7 @@ Field names follow ``docs/contract.md`` section 3.
 
 from __future__ import annotations
 
+import re
 import time
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -49,19 +50,27 @@ def check_transition(old: RolloutStatus, new: RolloutStatus) -> None:
 ROLLOUT_ID_MAX = 256
 
 
+#: What a rollout id may hold: RFC 3986's unreserved characters plus ``:`` and ``@`` (all literal in a URL path
+#: segment, a file name and a Redis key), starting with a letter, digit or ``_``. So an id is the same string
+#: in the path form of a route, in the ``X-AGL-Rollout-Id`` header, in a log file name and in Redis: no
+#: ``/``, ``%``, ``?`` or ``#`` (misrouted or cut in URLs), no ``.``/``..`` path segments, no whitespace,
+#: no hash-tag braces ``{}`` (Redis Cluster: every key of a rollout is tagged ``{rollout_id}``).
+ROLLOUT_ID_CHARS = "A-Za-z0-9._~:@-"
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._~:@-]*")
+
+
 def check_rollout_id(rollout_id: str) -> str:
-    """Return ``rollout_id`` if it can name a rollout: 1 to :data:`ROLLOUT_ID_MAX` characters, none of them
-    whitespace, a control character, ``{`` or ``}`` (Redis Cluster hash-tag delimiters: every key of a
-    rollout is tagged ``{rollout_id}``) or U+FFFD (what bytes that are not UTF-8 decode to: a path holding
-    ``%FF`` would otherwise name a different rollout than the bytes sent). Raises ``ValueError`` saying
-    which rule it breaks."""
-    if not 0 < len(rollout_id) <= ROLLOUT_ID_MAX:
-        raise ValueError(f"rollout id must be 1 to {ROLLOUT_ID_MAX} characters, got {len(rollout_id)}")
-    bad = next((c for c in rollout_id if c.isspace() or not c.isprintable() or c in "{}\ufffd"), None)
-    if bad is not None:
-        raise ValueError(f"rollout id must not contain whitespace, control characters, '{{', '}}' or U+FFFD "
-                         f"(bytes that are not UTF-8): "
-                         f"{rollout_id!r:.60} holds {bad!r}")
+    """Return ``rollout_id`` if it can name a rollout: 1 to :data:`ROLLOUT_ID_MAX` characters of
+    :data:`ROLLOUT_ID_CHARS`, the first a letter, digit or ``_``. Raises ``ValueError`` saying which rule it
+    breaks (and the first character that breaks it)."""
+    if not isinstance(rollout_id, str) or not 0 < len(rollout_id) <= ROLLOUT_ID_MAX:
+        n = len(rollout_id) if isinstance(rollout_id, str) else type(rollout_id).__name__
+        raise ValueError(f"rollout id must be 1 to {ROLLOUT_ID_MAX} characters, got {n}")
+    if not _ROLLOUT_ID.fullmatch(rollout_id):
+        bad = next((c for i, c in enumerate(rollout_id)
+                    if not _ROLLOUT_ID.fullmatch(c if i == 0 else "a" + c)), "?")
+        raise ValueError(f"rollout id may hold only ASCII letters, digits and . _ ~ : @ - (starting with a letter, "
+                         f"a digit or _): {rollout_id!r:.60} holds {bad!r}")
     return rollout_id
 
 

@@ -57,12 +57,26 @@ def float_list(value: Any, what: str) -> list[float]:
         raise MalformedUpstream(f"{what} are not numbers") from None
 
 
-def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None, str | None]:
+def token_logprobs(entries: list[Any], what: str) -> list[float] | None:
+    """One logprob per entry of a chat ``logprobs.content`` list, or ``None`` if any entry lacks a number
+    there (a missing logprob is never invented: it would feed the PPO ratio). Raises
+    :class:`MalformedUpstream` for entries that are not objects or logprobs that are not numbers."""
+    try:  # of parsed JSON values, only objects (dicts) have .get
+        raw = [t.get("logprob") for t in entries]
+    except AttributeError:
+        raise MalformedUpstream(f"'{what}' is not a list of objects") from None
+    return None if any(x is None for x in raw) else float_list(raw, "logprobs")
+
+
+def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None, str | None,
+                                                                 int]:
     """Token ids and logprobs from a vLLM answer with ``return_token_ids``/``logprobs`` on.
 
-    Returns ``(prompt_token_ids, response_token_ids, response_logprobs, finish_reason)`` of choice 0.
-    ``response_logprobs`` is ``None`` if the engine returned none or a list of another length. Missing
-    fields give empty lists; fields of the wrong type raise :class:`MalformedUpstream`.
+    Returns ``(prompt_token_ids, response_token_ids, response_logprobs, finish_reason, sampled)`` of choice 0,
+    ``sampled`` being the token ids of every choice together (what ``usage.completion_tokens`` counts when
+    ``n > 1``). ``response_logprobs`` is ``None`` if the engine returned none, a list of another length, or
+    a token without its logprob. Missing fields give empty lists; fields of the wrong type raise
+    :class:`MalformedUpstream`.
     """
     choices = data.get("choices")
     if choices is None:
@@ -72,27 +86,23 @@ def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[in
     choice = choices[0] if choices else {}
     prompt_ids = int_list(data.get("prompt_token_ids") or choice.get("prompt_token_ids"), "prompt_token_ids")
     response_ids = int_list(choice.get("token_ids"), "token_ids")
+    sampled = len(response_ids) + sum(len(int_list(c.get("token_ids"), "token_ids")) for c in choices[1:])
     logprobs = None
     lp = choice.get("logprobs")
     if lp is not None and not isinstance(lp, dict):
         raise MalformedUpstream("'logprobs' is not an object")
-    raw = None
     if isinstance(lp, dict):
         if route == "chat" and isinstance(lp.get("content"), list):
-            try:  # of parsed JSON values, only objects (dicts) have .get
-                raw = [t.get("logprob", 0.0) for t in lp["content"]]
-            except AttributeError:
-                raise MalformedUpstream("'logprobs.content' is not a list of objects") from None
+            logprobs = token_logprobs(lp["content"], "logprobs.content")
         elif route == "completions" and isinstance(lp.get("token_logprobs"), list):
-            raw = [x if x is not None else 0.0 for x in lp["token_logprobs"]]
-    if raw is not None:
-        logprobs = float_list(raw, "logprobs")
+            raw = lp["token_logprobs"]
+            logprobs = None if any(x is None for x in raw) else float_list(raw, "logprobs")
     if logprobs is not None and len(logprobs) != len(response_ids):
         logprobs = None
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise MalformedUpstream("'finish_reason' is not a string")
-    return prompt_ids, response_ids, logprobs, finish
+    return prompt_ids, response_ids, logprobs, finish, sampled
 
 
 def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
@@ -124,14 +134,18 @@ def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dic
 class Captured:
     """What one engine answer gives the record: choice 0's ids, logprobs and finish reason, the usage.
 
-    ``response_logprobs`` is ``None`` unless there is exactly one per response token id.
+    ``response_logprobs`` is ``None`` unless there is exactly one per response token id. ``sampled``: token
+    ids of all choices together (``n > 1``; ``None``: as many as choice 0's). ``error``: what the engine
+    reported in the answer itself (an ``error`` event in a stream).
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)
     response_token_ids: list[int] = field(default_factory=list)
     response_logprobs: list[float] | None = None
     finish_reason: str | None = None
+    sampled: int | None = None
     usage: dict[str, Any] | None = None
+    error: str | None = None
 
 
 def capture_answer(route: str, data: dict[str, Any]) -> Captured:
@@ -140,18 +154,31 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise MalformedUpstream("'usage' is not an object")
-    return Captured(*extract_tokens(route, data), usage)
+    return Captured(*extract_tokens(route, data), usage=usage)
 
 
 def check(cap: Captured) -> str | None:
-    """Why the capture must not become training data, or ``None``: token ids that do not add up to the
-    engine's own ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing), or token ids without
-    one logprob each (the gateway always asks for both)."""
+    """Why the capture must not become training data, or ``None``. In order: an error the engine reported
+    within its answer (a stream that failed mid-generation); no prompt token ids; no response token ids
+    while ``usage`` does not say the reply was empty; token ids that do not add up to the engine's own
+    ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
+    choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
+    never invented); no finish reason (a generation that did not end)."""
+    if cap.error:
+        return f"engine error during generation: {cap.error}"[:500]
+    if not cap.prompt_token_ids:
+        return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
     n = (cap.usage or {}).get("completion_tokens")
-    if isinstance(n, int) and not isinstance(n, bool) and n != len(cap.response_token_ids):
-        return f"token ids incomplete: {len(cap.response_token_ids)} of {n}"
+    counted = isinstance(n, int) and not isinstance(n, bool)
+    if not cap.response_token_ids and not (counted and n == 0):
+        return "response token ids missing: the engine returned none and no usage saying the reply is empty"
+    sampled = len(cap.response_token_ids) if cap.sampled is None else cap.sampled
+    if counted and n != sampled:
+        return f"token ids incomplete: {sampled} of {n}"
     if cap.response_token_ids and cap.response_logprobs is None:
         return f"logprobs missing: not one per token id ({len(cap.response_token_ids)} ids)"
+    if cap.finish_reason is None:
+        return "no finish reason: the generation did not end"
     return None
 
 
@@ -167,6 +194,7 @@ class StreamCapture:
         self.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.cap = Captured()
         self.lps: list[float] = []
+        self.lps_missing = False  # a token came without its logprob: the capture has none
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.first: dict[str, Any] | None = None
@@ -177,6 +205,11 @@ class StreamCapture:
         if not isinstance(chunk, dict):
             raise MalformedUpstream("a stream chunk is not an object")
         cap = self.cap
+        if "error" in chunk and not chunk.get("choices"):  # vLLM's error event: the generation failed
+            err = chunk["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            cap.error = str(msg if msg is not None else err)[:300] or "error event"
+            return chunk, 0
         self.first = self.first or chunk
         cap.prompt_token_ids = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or cap.prompt_token_ids
         for name in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
@@ -194,10 +227,11 @@ class StreamCapture:
                 if not isinstance(lp, dict):
                     raise MalformedUpstream("'logprobs' is not an object")
                 content = lp.get("content") or []
-                try:
-                    self.lps += float_list([t.get("logprob", 0.0) for t in content], "logprobs")
-                except AttributeError:
-                    raise MalformedUpstream("'logprobs.content' is not a list of objects") from None
+                got = token_logprobs(content, "logprobs.content")
+                if got is None:
+                    self.lps_missing = True
+                else:
+                    self.lps += got
                 delta = ch.get("delta") or {}
                 if not isinstance(delta, dict):
                     raise MalformedUpstream("'delta' is not an object")
@@ -234,7 +268,8 @@ class StreamCapture:
     def result(self) -> tuple[Captured, dict[str, Any]]:
         """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to."""
         cap = self.cap
-        cap.response_logprobs = self.lps if len(self.lps) == len(cap.response_token_ids) else None
+        whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
+        cap.response_logprobs = self.lps if whole else None
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[k] for k in sorted(self.tool_calls)]
