@@ -141,3 +141,24 @@ async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gatew
 def test_pass_env_names_are_checked(store, gateway_url, tmp_path):
     with pytest.raises(ValueError, match="not a variable name"):
         LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path, pass_env=["A=B"])
+
+
+async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gateway_url, tmp_path, monkeypatch):
+    """A blocking ``--reward-fn`` (a judge, a test run) ran on the event loop: lease renewals stopped and a
+    second controller ended the running rollouts as ``controller_lost``. It runs in a worker thread now."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0.05)
+
+    tick = asyncio.create_task(ticker())
+    out = await run(store, gateway_url, tmp_path, {"a": {"calls": 1, "judge_s": 3.0}}, reward_fn="rewards:slow")
+    done.set()
+    await tick
+    assert out["a"].status == RolloutStatus.succeeded and out["a"].reward == 1.0
+    assert ticks >= 40, ticks  # ~3 s of judging at one tick per 50 ms; a frozen loop gives a handful

@@ -255,7 +255,9 @@ class Runner:
         current(rollout)
         if failure is None and rollout.reward is None and self.reward_fn is not None:
             try:
-                value = float(self.reward_fn(rollout.input, final_output(calls)))
+                # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
+                # other runs' outcomes): a frozen loop let the lease expire and another controller end them
+                value = await asyncio.to_thread(lambda: float(self.reward_fn(rollout.input, final_output(calls))))
             except Exception as exc:
                 log.warning("reward function failed on %s: %s", rollout_id, exc)
                 failure = "reward_error"
