@@ -156,7 +156,7 @@ async def run(args) -> int:
             active = (await c.get(up_url + "/x/active")).json()
             await asyncio.sleep(args.pause_hold)
             t_resume = time.time()
-            await resume(store)
+            await resume(store, release_all=True)
             cycles.append({"pause": t_pause, "ack": t_ack, "resume": t_resume, "active": active,
                            "in_flight": [s.in_flight for s in statuses]})
 

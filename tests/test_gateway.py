@@ -156,7 +156,7 @@ async def test_pause_holds_new_calls_and_drains_in_flight(store, redis_url, pref
             assert len(upstream.app.state.calls) == n_upstream  # and not forwarded
             status = (await store.replicas())[0]
             assert status.held == 1
-            await resume(store, model="policy-v1", version=1)
+            await resume(store, model="policy-v1", version=1, release_all=True)
             r = await asyncio.wait_for(held, 10)
     assert r.status_code == 200
     assert upstream.app.state.calls[-1]["model"] == "policy-v1"
@@ -170,7 +170,7 @@ async def test_held_too_long_gets_503_retry_after(store, redis_url, prefix, upst
         await asyncio.sleep(0.3)
         await pause_and_drain(store, timeout_s=5)
         r = await asyncio.to_thread(httpx.post, f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
-        await resume(store)
+        await resume(store, release_all=True)
     assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "paused"
     assert upstream.app.state.calls == []
 
@@ -269,7 +269,7 @@ async def test_pause_reaches_every_replica(store, redis_url, prefix, upstream):
             await asyncio.sleep(0.8)
             assert not any(t.done() for t in held) and upstream.app.state.calls == []
             assert sum(r.held for r in await store.replicas()) == 2
-            await resume(store)
+            await resume(store, release_all=True)
             assert [(await t).status_code for t in held] == [200, 200]
     assert len(await store.read_calls("r1")) == 2
 

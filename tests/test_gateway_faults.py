@@ -78,6 +78,42 @@ async def test_drain_timeout_ends_resumed_and_restarted_replicas_start_unpaused(
     assert last is None or last.cmd == "resume"  # a replica started now would not come up paused
 
 
+async def test_overlapping_pauses_have_owners(store, redis_url, prefix, upstream):
+    """Two pauses overlap (a trainer's and an operator's): the one that times out used to withdraw with an
+    unconditional resume, releasing the other's pause while its owner updated. Each pause ends alone now, and
+    the gateway holds calls until no pause is held; ``release_all`` (the CLI without --pause) ends every one."""
+    from agl_common.control import new_pause_id
+
+    await make_rollout(store)
+    with gateway(redis_url, prefix, upstream.url, max_hold=60) as gw:
+        url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=60) as c:
+            trainer = new_pause_id()
+            await pause_and_drain(store, trainer, timeout_s=10)  # the trainer updates from here on
+            slow_started = len(upstream.app.state.calls)
+            held = asyncio.create_task(c.post(url, json=MSG))
+            await store.heartbeat(ReplicaStatus(replica_id="ghost", in_flight=1))  # a replica that never drains
+            with pytest.raises(DrainTimeout):  # so the operator's pause times out, and withdraws
+                await pause_and_drain(store, timeout_s=0.3)
+            await store.drop_replica("ghost")
+            await asyncio.sleep(0.5)
+            assert not held.done() and len(upstream.app.state.calls) == slow_started  # still held: trainer's pause
+            assert list(await store.pauses()) == [trainer]
+            second = new_pause_id()
+            await pause_and_drain(store, second, timeout_s=10)
+            await resume(store, model="policy-v1", version=1, release=trainer)  # the trainer is done
+            await asyncio.sleep(0.5)
+            assert not held.done() and list(await store.pauses()) == [second]
+            await resume(store, release=second)
+            assert (await asyncio.wait_for(held, 30)).status_code == 200
+            assert upstream.app.state.calls[-1]["model"] == "policy-v1"
+            await pause_and_drain(store, timeout_s=10)
+            await pause_and_drain(store, timeout_s=10)
+            await resume(store, release_all=True)
+            assert await store.pauses() == {}
+            assert (await asyncio.wait_for(c.post(url, json=MSG), 30)).status_code == 200
+
+
 async def test_collocated_cycle_resumes_when_the_drain_times_out(store, redis_url, prefix, upstream):
     from agl_trainer.cycle import collocated_update
 
@@ -346,7 +382,7 @@ def test_resume_refuses_a_version_outside_a_policy_version(version, redis_url, p
         st = Store(redis_url, prefix)
         try:
             with pytest.raises(ValidationError):
-                await resume(st, "policy-v3", int(version))
+                await resume(st, "policy-v3", int(version), release_all=True)
             return await st.last_control()
         finally:
             await st.close()
@@ -379,10 +415,10 @@ async def test_a_drain_waits_for_a_replica_whose_heartbeat_is_late(store):
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)
     assert not drain.done()
-    await store.heartbeat(ReplicaStatus(replica_id="starved", paused=True, drained_id=cmd.id))  # it wakes up
+    await store.heartbeat(ReplicaStatus(replica_id="starved", paused=True, drained_ids=[cmd.id]))  # it wakes up
     (status,) = await asyncio.wait_for(drain, 5)
     assert status.replica_id == "starved" and status.in_flight == 0
-    await resume(store)
+    await resume(store, release_all=True)
 
 
 def _raw_redis_uses(path: Path) -> list[str]:

@@ -216,7 +216,7 @@ async def test_gateway_sigkill_mid_flight_loses_no_acknowledged_call(redis_url, 
         t0 = time.monotonic()
         replicas = await pause_and_drain(store, timeout_s=REPLICA_LATE_S + 15)
         assert [s.replica_id for s in replicas] == ["gw-b"] and time.monotonic() - t0 < REPLICA_LATE_S + 3
-        await resume(store)
+        await resume(store, release_all=True)
         # a restarted replica (same id and port) serves the agents' retries again
         a2 = GatewayProc(upstream.url, redis_url, prefix, "gw-a", tmp_path / "a2.log", port=a.port, extra=["--open"])
         procs.append(a2)
@@ -257,7 +257,7 @@ async def test_sigterm_during_a_pause_answers_held_calls_and_exits(redis_url, pr
         assert time.monotonic() - t0 < 120
         assert await store.read_calls("T1") == []
     finally:
-        await resume(store)
+        await resume(store, release_all=True)
         await store.close()
 
 
@@ -362,7 +362,7 @@ async def test_redis_restart_loses_nothing_acknowledged_and_gateway_recovers(ups
                                               json=chat("held")))
             await asyncio.sleep(0.8)
             assert not held.done()
-            await resume(store)
+            await resume(store, release_all=True)
             assert (await asyncio.wait_for(held, 10)).status_code == 200
     finally:
         await store.close()
@@ -437,7 +437,7 @@ async def load_with_pause_resume(redis_url, prefix, upstream, procs, tmp_path, a
                 active = upstream.app.state.active
                 await asyncio.sleep(0.3)
                 t_resume = time.time()
-                await resume(store)
+                await resume(store, release_all=True)
             cycles.append({"pause": t_pause, "ack": t_ack, "resume": t_resume, "upstream_active": active,
                            "in_flight": [s.in_flight for s in statuses], "n": len(statuses)})
 

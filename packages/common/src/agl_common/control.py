@@ -1,12 +1,14 @@
 """The pause / drain / resume protocol between the trainer and every gateway replica.
 
-1. The trainer publishes ``ControlCommand(cmd="pause", id=N)``.
-2. Each replica stops forwarding new calls (they are *held*, not rejected), lets in-flight calls
-   finish, and once its in-flight count is 0 reports ``drained_id=N`` in its heartbeat.
-3. :func:`pause_and_drain` returns when every member replica reports ``drained_id == N``: live ones and those
+1. The trainer publishes ``ControlCommand(cmd="pause", id=N)``: pause N joins the store's set of held
+   pauses (pauses have owners).
+2. Each replica stops forwarding new calls (they are *held*, not rejected) while that set is not empty, lets
+   in-flight calls finish, and once its in-flight count is 0 reports N among its ``drained_ids``.
+3. :func:`pause_and_drain` returns when every member replica reports N drained: live ones and those
    whose heartbeat is late (a starved replica is not taken for dead until ``REPLICA_LATE_S``).
-4. ``resume`` releases held calls, optionally switching new calls to a new policy (served model name
-   and version).
+4. ``resume(release=N)`` ends pause N (held calls go on once no other pause is held), optionally switching
+   new calls to a new policy (served model name and version). Ending one pause never ends another: a
+   trainer's pause survives an operator's ``agl-trainer gateway pause`` timing out, and the other way round.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ class DrainTimeout(TimeoutError):
 MAX_PAUSE_S = 3600.0
 
 
-async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float = 0.05,
+def new_pause_id() -> str:
+    """A fresh pause id (the owner's name for its pause: pass it to :func:`pause_and_drain` and, to end the
+    pause, to :func:`resume` as ``release``)."""
+    return uuid.uuid4().hex
+
+
+async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: float = 60.0, poll_s: float = 0.05,
                           max_pause_s: float = MAX_PAUSE_S) -> list[ReplicaStatus]:
-    """Pause all gateway replicas and wait until each reports its in-flight calls drained.
+    """Hold pause ``pause_id`` (default: a new one; end it with ``resume(release=pause_id)``) on all gateway
+    replicas and wait until each reports its in-flight calls drained.
 
     Returns the replicas' statuses at the moment of the acknowledgement. With no live replica, returns
     ``[]`` at once (nothing can be in flight). A replica whose heartbeat is late (its event loop starved under
@@ -38,44 +47,47 @@ async def pause_and_drain(store: Store, timeout_s: float = 60.0, poll_s: float =
     ``timeout_s`` seconds, naming the replicas that did not acknowledge (late ones marked).
 
     A pause that does not complete (timeout, Redis error, cancellation) is withdrawn before the error
-    propagates: a ``resume`` on the same policy is published, so no replica stays paused and replicas
-    started later do not come up paused. The pause itself expires ``max_pause_s`` seconds after it was
+    propagates: a ``resume`` releasing ``pause_id`` alone (other owners' pauses stay held) is published. The pause itself expires ``max_pause_s`` seconds after it was
     published (:attr:`ControlCommand.expires_at`), in case its publisher dies before resuming.
     Replica statuses come from the store's registry (two round trips per poll, every ``poll_s`` seconds).
     """
-    command = ControlCommand(cmd="pause", id=uuid.uuid4().hex, expires_at=time.time() + max_pause_s)
+    command = ControlCommand(cmd="pause", id=pause_id or new_pause_id(), expires_at=time.time() + max_pause_s)
     try:
         await store.publish_control(command)
         deadline = time.monotonic() + timeout_s
         while True:
             replicas = await store.replicas(include_late=True)
-            if all(r.paused and r.drained_id == command.id for r in replicas):
+            if all(r.paused and command.id in r.drained_ids for r in replicas):
                 return replicas
             if time.monotonic() > deadline:
                 now = time.time()
                 waiting = [r.replica_id + (f" (heartbeat {now - r.updated_at:.0f} s late)"
                                            if now - r.updated_at >= REPLICA_TTL_S else "")
-                           for r in replicas if r.drained_id != command.id]
+                           for r in replicas if command.id not in r.drained_ids]
                 raise DrainTimeout(f"replicas not drained after {timeout_s} s (pause withdrawn): {waiting}")
             await asyncio.sleep(poll_s)
     except BaseException:
-        await asyncio.shield(_withdraw(store))
+        await asyncio.shield(_withdraw(store, command.id))
         raise
 
 
-async def _withdraw(store: Store) -> None:
-    """Best effort: resume on the same policy (a Redis that is down will also expire the pause)."""
+async def _withdraw(store: Store, pause_id: str) -> None:
+    """Best effort: end pause ``pause_id`` on the same policy (a Redis that is down will also expire it)."""
     try:
-        await resume(store)
+        await resume(store, release=pause_id)
     except Exception:  # noqa: BLE001 - the original error matters more; the pause still expires
         pass
 
 
-async def resume(store: Store, model: str | None = None, version: int | None = None) -> ControlCommand:
-    """Release held calls on every replica; with ``model`` set, route new calls to that policy.
+async def resume(store: Store, model: str | None = None, version: int | None = None, release: str | None = None,
+                 release_all: bool = False) -> ControlCommand:
+    """End pause ``release`` (``release_all``: every pause, whoever holds it); with ``model`` set, route new
+    calls to that policy. Held calls go on once no pause is held. With neither ``release`` nor
+    ``release_all`` it only switches the policy.
 
     Raises ``pydantic.ValidationError`` (nothing published) for a version outside :data:`PolicyVersion`.
     """
-    command = ControlCommand(cmd="resume", id=uuid.uuid4().hex, model=model, version=version)
+    command = ControlCommand(cmd="resume", id=uuid.uuid4().hex, model=model, version=version, release=release,
+                             release_all=release_all)
     await store.publish_control(command)
     return command

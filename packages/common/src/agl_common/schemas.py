@@ -163,15 +163,22 @@ PolicyVersion = Annotated[int, Field(ge=0, lt=2**63)]
 class ControlCommand(BaseModel):
     """A message on the gateway control channel.
 
-    ``pause``: stop forwarding new calls (hold them) and acknowledge ``drained`` once in-flight calls
-    reach 0. ``resume``: release held calls; if ``model`` is set, new calls go to that served model
-    name, tagged with ``version``.
+    Pauses have owners: ``pause`` with ``id`` N adds pause N to the store's set of held pauses; a replica
+    holds new calls while that set is not empty and acknowledges N (``ReplicaStatus.drained_ids``) once
+    its in-flight calls reach 0. ``resume`` ends the pause named by ``release`` (every pause with
+    ``release_all``: an operator's override; neither: no pause ends) and, if ``model`` is set, routes new
+    calls to that served model name, tagged with ``version``. So when two pauses overlap (a trainer and an
+    operator, two trainers), the end of one never releases the other.
     """
 
     cmd: Literal["pause", "resume"]
     id: str
     model: str | None = None
     version: PolicyVersion | None = None
+    #: resume only: the id of the pause it ends
+    release: str | None = None
+    #: resume only: end every pause, whoever holds it
+    release_all: bool = False
     #: pause only: Unix time (s) after which the pause is over on its own, so that a trainer killed
     #: between pause and resume cannot leave replicas (or replicas started later) paused for good.
     expires_at: float | None = None
@@ -184,7 +191,8 @@ class ReplicaStatus(BaseModel):
     paused: bool = False
     in_flight: int = 0
     held: int = 0
-    drained_id: str | None = None
+    #: the pauses held when its in-flight calls last reached 0 while paused (each acknowledged drained)
+    drained_ids: list[str] = Field(default_factory=list)
     model: str | None = None
     version: int = 0
     updated_at: float = Field(default_factory=time.time)

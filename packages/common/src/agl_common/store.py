@@ -22,6 +22,7 @@ key                                 type      holds
 ``P {E}:policy``                    string    the :class:`Policy` new calls are routed to
 ``P {E}:control``                   pub/sub   :class:`ControlCommand` messages
 ``P {E}:control:last``              string    the last command, for replicas that missed it
+``P {E}:pauses``                    hash      held pauses: pause id → Unix time it expires (owned pauses)
 ``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 30 s
 ``P {E}:replicas``                  zset      replica ids scored by the Unix time their membership expires
 ``P {E}:completed``                 stream    one entry per move to succeeded/failed (``rid``, ``gid``,
@@ -511,7 +512,7 @@ class Store:
 
     async def call_entries(self, rollout_id: str) -> int:
         """How many call records the rollout's stream holds, all attempts together (XLEN; 0 if none)."""
-        return int(await self.r.xlen(self.key("calls", rollout_id)))
+        return int(await self.r.xlen(self.rollout_key("calls", rollout_id)))
 
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
@@ -531,9 +532,16 @@ class Store:
         await self.r.set(self.key("policy"), policy.model_dump_json())
 
     async def publish_control(self, command: ControlCommand) -> None:
-        """Persist ``command`` as the last one, then broadcast it to every gateway replica."""
+        """Apply ``command`` to the set of held pauses (``P pauses``: pause id → Unix time it expires), persist
+        it as the last one, then broadcast it to every gateway replica (which re-read :meth:`pauses`)."""
         body = command.model_dump_json()
         pipe = self.r.pipeline(transaction=True)
+        if command.cmd == "pause":
+            pipe.hset(self.key("pauses"), command.id, repr(command.expires_at or time.time() + 3600.0))
+        elif command.release_all:
+            pipe.delete(self.key("pauses"))
+        elif command.release is not None:
+            pipe.hdel(self.key("pauses"), command.release)
         pipe.set(self.key("control:last"), body)
         if command.cmd == "resume" and command.model is not None:
             pipe.set(
@@ -560,6 +568,16 @@ class Store:
             await pubsub.aclose()
             raise
         return pubsub
+
+    async def pauses(self) -> dict[str, float]:
+        """The pauses held now: pause id → Unix time (s) it expires; expired ones are dropped on the way."""
+        raw = await self.r.hgetall(self.key("pauses"))
+        now = time.time()
+        held = {k.decode(): float(v) for k, v in raw.items()}
+        expired = [k for k, t in held.items() if t <= now]
+        if expired:
+            await self.r.hdel(self.key("pauses"), *expired)
+        return {k: t for k, t in held.items() if t > now}
 
     async def last_control(self) -> ControlCommand | None:
         raw = await self.r.get(self.key("control:last"))

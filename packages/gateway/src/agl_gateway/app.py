@@ -161,43 +161,41 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     return app
 
 
-def apply_command(st: GatewayState, cmd: ControlCommand) -> None:
+async def apply_command(st: GatewayState, cmd: ControlCommand) -> None:
     """Apply one control command to this replica (idempotent: a repeated command changes nothing).
 
-    A pause past its ``expires_at`` is a resume on the same policy; a pause with an expiry ends on its own
-    then (a trainer killed between pause and resume leaves no replica paused for good).
+    A resume with a ``model`` switches the policy. Whatever the command, the replica then holds calls
+    exactly while the store holds a pause (:meth:`Store.pauses`: owned pauses, read after each message, so
+    that the end of one pause never releases another); a pause past its expiry is over on its own (a
+    trainer killed between pause and resume leaves no replica paused for good). Raises Redis errors.
     """
-    if cmd.cmd == "pause":
-        left = None if cmd.expires_at is None else cmd.expires_at - time.time()
-        if left is not None and left <= 0:
-            _resume(st)
-        elif st.gate.pause_id != cmd.id:
-            st.gate.pause(cmd.id)
-            if st.pause_expiry is not None:
-                st.pause_expiry.cancel()
-            st.pause_expiry = None if left is None else asyncio.get_running_loop().call_later(
-                left, _expire, st, cmd.id)
-    else:
-        if cmd.model:
-            st.policy = Policy(model=cmd.model, version=cmd.version or 0)
-        _resume(st)
+    if cmd.cmd == "resume" and cmd.model:
+        st.policy = Policy(model=cmd.model, version=cmd.version or 0)
+    hold(st, await st.store.pauses())
 
 
-def _resume(st: GatewayState) -> None:
+def hold(st: GatewayState, pauses: dict[str, float]) -> None:
+    """Hold calls for ``pauses`` (pause id → Unix time it expires) and wake up when the first expires."""
+    now = time.time()
+    live = {k: t for k, t in pauses.items() if t > now}
     if st.pause_expiry is not None:
         st.pause_expiry.cancel()
         st.pause_expiry = None
-    if st.gate.paused:
-        if st.gate.paused_at is not None:
-            st.metrics.pause_seconds.observe(time.monotonic() - st.gate.paused_at)
-        st.gate.resume()
+    was_paused = st.gate.paused
+    if was_paused and not live and st.gate.paused_at is not None:
+        st.metrics.pause_seconds.observe(time.monotonic() - st.gate.paused_at)
+    st.gate.hold(frozenset(live))
+    if live:
+        first = min(live.values())
+        st.pause_expiry = asyncio.get_running_loop().call_later(max(first - now, 0.0), _expire, st, live)
 
 
-def _expire(st: GatewayState, pause_id: str) -> None:
-    if st.gate.pause_id == pause_id:
-        log.warning("pause %s expired without a resume (its trainer died?): resuming", pause_id)
-        st.pause_expiry = None
-        _resume(st)
+def _expire(st: GatewayState, pauses: dict[str, float]) -> None:
+    st.pause_expiry = None
+    gone = [k for k, t in pauses.items() if t <= time.time()]
+    if gone:
+        log.warning("pause %s expired without a resume (its owner died?)", ", ".join(gone))
+    hold(st, pauses)
 
 
 async def _discover_model(st: GatewayState) -> None:
@@ -214,9 +212,7 @@ async def _sync_from_store(st: GatewayState) -> None:
     policy = await st.store.get_policy()
     if policy is not None:
         st.policy = policy
-    last = await st.store.last_control()
-    if last is not None:
-        apply_command(st, last)
+    hold(st, await st.store.pauses())
 
 
 async def _control_loop(st: GatewayState) -> None:
@@ -230,9 +226,11 @@ async def _control_loop(st: GatewayState) -> None:
                 if message.get("type") != "message":
                     continue
                 try:
-                    apply_command(st, ControlCommand.model_validate_json(message["data"]))
+                    cmd = ControlCommand.model_validate_json(message["data"])
                 except ValueError:
                     log.warning("ignored malformed control message %r", message["data"][:200])
+                    continue
+                await apply_command(st, cmd)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis down: retry, keep serving with the last known state
@@ -250,7 +248,7 @@ async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
         gate = st.gate
         policy = st.policy
         status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
-                               held=gate.held, drained_id=gate.drained_id, model=policy and policy.model,
+                               held=gate.held, drained_ids=sorted(gate.drained_ids), model=policy and policy.model,
                                version=policy.version if policy else 0)
         try:
             await st.store.heartbeat(status)

@@ -34,8 +34,8 @@ class PauseGate:
         self._open.set()
         self.in_flight = 0
         self.held = 0
-        self.pause_id: str | None = None
-        self.drained_id: str | None = None
+        self.pause_ids: frozenset[str] = frozenset()  # the pauses held (owned pauses: see agl_common.control)
+        self.drained_ids: frozenset[str] = frozenset()
         self.paused_at: float | None = None
         self.last_drain_s: float | None = None  # seconds from the last pause to its drain
         self._on_change = on_change or (lambda: None)
@@ -45,20 +45,22 @@ class PauseGate:
     def paused(self) -> bool:
         return not self._open.is_set()
 
-    def pause(self, command_id: str) -> None:
-        """Hold new calls from now on; acknowledge ``command_id`` once in-flight reaches 0."""
-        self._open.clear()
-        self.pause_id = command_id
-        self.paused_at = time.monotonic()
-        self.drained_id = command_id if self.in_flight == 0 else None
-        self._on_change()
-
-    def resume(self) -> None:
-        """Release every held call."""
-        self.pause_id = None
-        self.drained_id = None
-        self.paused_at = None
-        self._open.set()
+    def hold(self, pause_ids: frozenset[str]) -> None:
+        """Hold new calls while ``pause_ids`` (the pauses held now) is not empty; acknowledge each of them
+        drained once in-flight calls reach 0. An empty set releases every held call."""
+        pause_ids = frozenset(pause_ids)
+        if pause_ids == self.pause_ids:
+            return
+        if not pause_ids:
+            self.pause_ids = self.drained_ids = frozenset()
+            self.paused_at = None
+            self._open.set()
+        else:
+            if not self.paused:
+                self.paused_at = time.monotonic()
+            self._open.clear()
+            self.pause_ids = pause_ids
+            self.drained_ids = pause_ids if self.in_flight == 0 else self.drained_ids & pause_ids
         self._on_change()
 
     def close(self) -> None:
@@ -96,8 +98,8 @@ class PauseGate:
     def leave(self) -> None:
         """The call is over (answered, failed or its stream closed); acknowledge a pending drain."""
         self.in_flight -= 1
-        if self.paused and self.in_flight == 0 and self.drained_id != self.pause_id:
-            self.drained_id = self.pause_id
+        if self.paused and self.in_flight == 0 and self.drained_ids != self.pause_ids:
+            self.drained_ids = self.pause_ids
             self.last_drain_s = time.monotonic() - (self.paused_at or time.monotonic())
             self._on_change()
 

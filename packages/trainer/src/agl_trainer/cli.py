@@ -418,13 +418,16 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
 @gateway_app.command("pause")
 def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for the drain"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
-    """Pause every gateway replica; return once all report their in-flight calls drained."""
-    from agl_common.control import DrainTimeout, pause_and_drain
+    """Pause every gateway replica; return once all report their in-flight calls drained. Prints the pause's
+    id: `gateway resume --pause ID` ends this pause alone (a trainer's own pauses stay held)."""
+    from agl_common.control import DrainTimeout, new_pause_id, pause_and_drain
+
+    pause = new_pause_id()
 
     async def main():
         store = _store(redis, prefix)
         try:
-            return await pause_and_drain(store, timeout)
+            return await pause_and_drain(store, pause, timeout)
         finally:
             await store.close()
 
@@ -433,20 +436,23 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
     except DrainTimeout as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
-    console.print(f"paused and drained: {len(replicas)} replica(s)")
+    console.print(f"paused and drained: {len(replicas)} replica(s); pause {pause} "
+                  f"(end it with: agl-trainer gateway resume --pause {pause})")
 
 
 @gateway_app.command("resume")
 def gateway_resume(model: str = typer.Option(None, help="route new calls to this served model name"),
                    version: int = typer.Option(None, min=0, max=2**63 - 1, help="policy version of that model"),
+                   pause: str = typer.Option(None, "--pause", help="end this pause only (the id `gateway pause` "
+                                             "printed); without it every pause ends, a trainer's included"),
                    redis: str = RedisOpt, prefix: str = PrefixOpt):
-    """Release held calls on every replica."""
+    """Release held calls on every replica: end one pause (--pause ID) or every pause."""
     from agl_common.control import resume
 
     async def main():
         store = _store(redis, prefix)
         try:
-            await resume(store, model, version)
+            await resume(store, model, version, release=pause, release_all=pause is None)
         finally:
             await store.close()
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from agl_common.control import pause_and_drain, resume
+from agl_common.control import new_pause_id, pause_and_drain, resume
 from agl_common.settings import engine_base_urls
 from agl_common.store import Store
 
@@ -60,16 +60,17 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
     """
     t0 = time.perf_counter()
     name = f"policy-v{version}"
+    pause = new_pause_id()
     try:  # the pause inside: a drain that fails or is cancelled ends resumed too
-        replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+        replicas = await pause_and_drain(store, pause, timeout_s=drain_timeout_s)
         t_drained = time.perf_counter()
         stats = await asyncio.to_thread(update)
         path = await asyncio.to_thread(save, version)
         await load_adapter(engine_url, name, path)
     except BaseException:
-        await resume(store)
+        await resume(store, release=pause)
         raise
-    await resume(store, model=name, version=version)
+    await resume(store, model=name, version=version, release=pause)
     if version > 1:
         await unload_adapter(engine_url, f"policy-v{version - 1}")
     t_end = time.perf_counter()
@@ -91,7 +92,8 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
     events: list[list] = []
     t0 = time.perf_counter()
     events.append(["pause", time.time()])
-    replicas = await pause_and_drain(store, timeout_s=drain_timeout_s)
+    pause = new_pause_id()
+    replicas = await pause_and_drain(store, pause, timeout_s=drain_timeout_s)
     events.append(["drained", time.time()])
     t_drained = time.perf_counter()
     try:
@@ -99,10 +101,10 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
         t_update = time.perf_counter()
         model = await backend.publish(version)
     except BaseException:
-        await resume(store)
+        await resume(store, release=pause)
         raise
     t_published = time.perf_counter()
-    await resume(store, model=model, version=version)
+    await resume(store, model=model, version=version, release=pause)
     events.append(["resume", time.time()])
     await backend.retire(version - 1)
     return {**stats, "drain_s": t_drained - t0, "weight_load_s": t_published - t_update,

@@ -350,12 +350,15 @@ class VerlCollocatedCycle:
 def gateway_control(store: Any, drain_timeout_s: float = 120.0) -> tuple[Step, Callable[[str | None, int | None], Any]]:
     """``(pause, resume)`` for :class:`VerlCollocatedCycle` over AGL's Redis control channel (needs
     ``agl_common``, i.e. the main environment or ``agl-common`` installed next to verl)."""
-    from agl_common.control import pause_and_drain, resume
+    from agl_common.control import new_pause_id, pause_and_drain, resume
+
+    held: list[str] = []  # the pause this cycle holds (owned pauses: its resume ends it, no other)
 
     async def _pause():
-        return await pause_and_drain(store, timeout_s=drain_timeout_s)
+        held[:] = [new_pause_id()]
+        return await pause_and_drain(store, held[0], timeout_s=drain_timeout_s)
 
     async def _resume(model: str | None, version: int | None):
-        return await resume(store, model=model, version=version)
+        return await resume(store, model=model, version=version, release=held.pop() if held else None)
 
     return _pause, _resume
