@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from agl_trainer.cli import app
 from agl_trainer.config import TrainConfig
-from agl_trainer.evalstats import eval_stats, pass_at_k
+from agl_trainer.evalstats import accuracy, eval_stats, pass_at_k, reward_mean
 from agl_trainer.evaluation import PolicyNotFound, resolve_policy
 from agl_trainer.loop import default_is_correct
 from fakes import Served, fake_upstream
@@ -29,6 +29,19 @@ def test_pass_at_k_by_hand():
         pass_at_k(2, 3, 1)
 
 
+def test_one_accuracy_and_reward_definition():
+    """A failed rollout that posted a reward before failing was counted correct by the training step's own
+    accuracy (evaluations said wrong), and the two means differed; both use evalstats' definitions now."""
+    rs = [Rollout(rollout_id="x0", status=RolloutStatus.failed, reward=1.0, failure="exit_code:1"),
+          Rollout(rollout_id="x1", status=RolloutStatus.succeeded, reward=1.0),
+          Rollout(rollout_id="x2", status=RolloutStatus.succeeded, reward=0.0),
+          Rollout(rollout_id="x3", status=RolloutStatus.failed, failure="timeout")]
+    assert accuracy(rs, default_is_correct) == 1 / 4 and reward_mean(rs) == 0.5
+    s = eval_stats(rs, default_is_correct)
+    assert (s["accuracy"], s["reward_mean"]) == (1 / 4, 0.5)
+    assert accuracy([], default_is_correct) == 0.0 and reward_mean([]) == 0.0
+
+
 def test_eval_stats_by_hand():
     def r(g, i, status="succeeded", reward=None):
         return Rollout(rollout_id=f"{g}-{i}", group_id=g, status=RolloutStatus(status), reward=reward)
@@ -37,7 +50,7 @@ def test_eval_stats_by_hand():
           r("b", 0, reward=0.0), r("b", 1, "failed"), r("b", 2, reward=1.0), r("b", 3, reward=0.5)]
     s = eval_stats(rs, default_is_correct)  # solved: reward >= 1
     assert s["accuracy"] == 3 / 8 and s["correct"] == [1, 1, 0, 0, 0, 0, 1, 0] and s["n"] == 8
-    assert s["reward_mean"] == 3.5 / 8 and s["failed"] == 1 and s["problems"] == 2
+    assert s["reward_mean"] == 3.5 / 7 and s["failed"] == 1 and s["problems"] == 2  # over the 7 that succeeded
     assert s["samples_per_problem"] == 4 and list(s["pass_at_k"]) == ["1", "2", "4"]
     # a: n=4, c=2 → pass@2 = 1 - C(2,2)/C(4,2) = 5/6; b: n=4, c=1 → 1 - C(3,2)/C(4,2) = 1/2
     assert s["pass_at_k"]["1"] == pytest.approx((2 / 4 + 1 / 4) / 2)

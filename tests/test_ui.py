@@ -181,6 +181,31 @@ def test_group_and_rollout_pages_show_what_redis_holds(recorded):
         assert f'class="num calls">{len(view[rid][1])}<' in row
 
 
+def test_a_running_rollout_page_shows_new_calls(redis_url, prefix, tmp_path):
+    """The trace cache is keyed by the number of recorded calls; ``Store.call_entries`` read a key nothing
+    writes (always 0), so a running rollout's page never showed a call recorded after its first view."""
+    def call(k: int) -> CallRecord:
+        return CallRecord(rollout_id="live", attempt_id="0", seq=0, route="chat", request={}, response=None,
+                          prompt_token_ids=[1, 100 + k], response_token_ids=[5, 2], response_logprobs=[-0.1, -0.2],
+                          finish_reason="stop")
+
+    async def write(k: int) -> int:
+        store = Store(redis_url, prefix)
+        if k == 0:
+            await store.create_rollout(Rollout(rollout_id="live", status=RolloutStatus.running), enqueue=False)
+        await store.record_call(call(k))
+        n = await store.call_entries("live")
+        await store.close()
+        return n
+
+    assert asyncio.run(write(0)) == 1
+    with Served(create_app(redis_url, prefix, tmp_path)) as ui:
+        first = httpx.get(f"{ui.url}/rollouts/live", timeout=60).text
+        assert asyncio.run(write(1)) == 2
+        second = httpx.get(f"{ui.url}/rollouts/live", timeout=60).text
+    assert first.count("<tr data-seq=") == 1 and second.count("<tr data-seq=") == 2, second[-2000:]
+
+
 def test_calls_are_paged(redis_url, prefix, tmp_path):
     """A rollout with more calls than a page: the calls table shows one page and links the next."""
     n = ROWS_PER_PAGE + 30  # every call its own row (no prompt extends another): rows are paged too

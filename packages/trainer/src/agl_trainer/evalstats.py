@@ -30,8 +30,23 @@ IsCorrect = Callable[[dict, "float | None"], bool]
 
 
 def correct(r: Rollout, is_correct: IsCorrect) -> bool:
-    """Succeeded, and solved as the task's ``is_correct(input, reward)`` says; a failed rollout never is."""
+    """Succeeded, and solved as the task's ``is_correct(input, reward)`` says; a failed rollout never is
+    (even one that posted a reward before it failed)."""
     return r.status == RolloutStatus.succeeded and bool(is_correct(r.input, r.reward))
+
+
+def accuracy(rollouts: list[Rollout], is_correct: IsCorrect) -> float:
+    """The one definition of accuracy (evaluations and training steps): :func:`correct` rollouts / all
+    rollouts, a failed one counted wrong; 0.0 for none."""
+    return sum(correct(r, is_correct) for r in rollouts) / len(rollouts) if rollouts else 0.0
+
+
+def reward_mean(rollouts: list[Rollout]) -> float:
+    """The one definition of the mean reward (evaluations and training steps): over the rollouts that
+    succeeded (what training sees: an infrastructure failure is never a reward of 0, and a reward posted by
+    a rollout that then failed is not its outcome); 0.0 for none."""
+    got = [r.reward for r in rollouts if r.status == RolloutStatus.succeeded and r.reward is not None]
+    return sum(got) / len(got) if got else 0.0
 
 
 def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
@@ -39,8 +54,8 @@ def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
 
     ``is_correct(input, reward) -> bool``: the task's notion of solved (:func:`agl_trainer.loop.load_is_correct`).
     Returns a JSON-ready dict:
-        ``accuracy``: correct / rollouts (a failed rollout counts as wrong); ``correct``: 0/1 per rollout, in
-        input order; ``reward_mean``: mean reward, a missing one counted 0; ``n``: rollouts; ``failed``;
+        ``accuracy``: :func:`accuracy`; ``correct``: 0/1 per rollout, in input order; ``reward_mean``:
+        :func:`reward_mean` (over succeeded rollouts); ``n``: rollouts; ``failed``;
         ``problems``; ``samples_per_problem`` (the smallest group's size);
         ``pass_at_k``: ``{"1": ..., "2": ..., "4": ..., ..., str(samples_per_problem): ...}``, the mean over
         problems of :func:`pass_at_k` (k up to the smallest group's size);
@@ -61,8 +76,8 @@ def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
     ks = sorted({k for k in (2 ** i for i in range(m.bit_length())) if k <= m} | {m})
     pass_k = {str(k): sum(pass_at_k(n, c, k) for n, c in per_problem) / len(per_problem) for k in ks}
     rewards = [r.reward for r in rollouts]
-    return {"accuracy": sum(solved) / len(rollouts), "correct": solved,
-            "reward_mean": sum(x or 0.0 for x in rewards) / len(rollouts), "n": len(rollouts),
+    return {"accuracy": accuracy(rollouts, is_correct), "correct": solved,
+            "reward_mean": reward_mean(rollouts), "n": len(rollouts),
             "failed": sum(r.status == RolloutStatus.failed for r in rollouts), "problems": len(groups),
             "samples_per_problem": m, "pass_at_k": pass_k,
             "reward": reward_distribution([x for x in rewards if x is not None]), "rewards": rewards}

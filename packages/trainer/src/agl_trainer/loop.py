@@ -36,11 +36,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .advantage import rollout_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
+from .hardware import describe
 from .report import plot_curve, step_table, time_split_totals
 from .scheduler import Group, GroupScheduler, create_rollouts  # noqa: F401 (create_rollouts: re-exported)
 from .stepstats import TIME_KEYS, batch_signals, rollout_phase_split
 from .trackers import Trackers
-from .evalstats import eval_stats
+from .evalstats import accuracy, eval_stats, reward_mean
 
 
 def _task_module(task_file: str | Path):
@@ -288,10 +289,8 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                 kept, counts = select_groups(rollouts, cfg.min_group_size)
                 rows, row_adv, astats, adv_stats = await build_batch(store, kept, cfg, tokenizer.decode, eos_ids,
                                                                      calls)
-                succeeded = [r for r in rollouts if r.reward is not None]
-                m = {"step": step, "policy_version": version,
-                     "reward_mean": sum(r.reward for r in succeeded) / max(1, len(succeeded)),
-                     "accuracy": sum(1 for r in succeeded if is_correct(r.input, r.reward)) / max(1, len(rollouts)),
+                m = {"step": step, "policy_version": version, "reward_mean": reward_mean(rollouts),
+                     "accuracy": accuracy(rollouts, is_correct),
                      "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
                      "merge_breaks": astats.merge_breaks, "failed": counts["failed"],
                      "dropped_groups": counts["dropped_groups"], "rollout_s": batch.wait_s,
@@ -357,7 +356,8 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                "first_update": {k: first_update.get(k) for k in ("ratio_first", "clip_frac_first", "kl")},
                "curve": [{"minutes": e["minutes"], "step": e["step"], "when": e["when"], "accuracy": e["accuracy"],
                           "n": e["n"], "subset_accuracy": e["subset_accuracy"]} for e in evals],
-               "curve_png": str(curve) if metrics else None, **time_split_totals(metrics)}
+               "curve_png": str(curve) if metrics else None, "hardware": describe(cfg.dtype),
+               **time_split_totals(metrics)}
     # the old names, kept for readers of earlier summaries
     summary["accuracy_before"], summary["accuracy_after"] = summary["heldout_before"], summary["heldout_after"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
