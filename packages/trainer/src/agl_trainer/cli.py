@@ -111,13 +111,14 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
         raise typer.Exit(2) from None
     cfg = _with_loggers(cfg, logger)
     if cfg.backend == "verl":
-        _run_verl(config, cfg, resume)
+        _run_verl(cfg, resume)
     else:
         _run(cfg, resume)
 
 
-def _run_verl(config: Path, cfg, resume_dir: Path | None) -> None:
-    """Run the verl backend in verl's own environment (``.venv-verl``; see docs/verl.md)."""
+def _run_verl(cfg, resume_dir: Path | None) -> None:
+    """Run the verl backend in verl's own environment (``.venv-verl``; see docs/verl.md) on ``cfg`` as resolved
+    (written to ``<run>/config.resolved.yaml``)."""
     import os
     import subprocess
 
@@ -132,8 +133,15 @@ def _run_verl(config: Path, cfg, resume_dir: Path | None) -> None:
         raise typer.Exit(2)
     with console.status("converting the base model (first run only)..."):
         ensure_base_model()
+    import yaml
+
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
-    argv = [str(py), "-m", "agl_trainer.backends.verl_main", str(config), "--run-dir", str(run_dir),
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # the config as resolved here (CONFIG + --seed, --redis, --prefix, --logger, AGL_REDIS_URL...): the verl side
+    # reads this file, not CONFIG again (which dropped every override)
+    resolved = run_dir / "config.resolved.yaml"
+    resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    argv = [str(py), "-m", "agl_trainer.backends.verl_main", str(resolved), "--run-dir", str(run_dir),
             "--ranks", str(cfg.verl_ranks), "--backend", "verl"]
     argv += ["--resume"] if resume_dir else []
     argv += ["--gpu"] if cfg.verl_device == "cuda" else []
