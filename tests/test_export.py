@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.schemas import CallRecord, GroupInfo, Rollout, RolloutStatus
 from agl_common.store import Store
 from agl_trainer.cli import app
 
@@ -62,6 +62,11 @@ async def seed(redis_url: str, prefix: str) -> None:
                 r.reward = reward
             await store.update_rollout(rid, change)
             await store.set_status(rid, status, None if status == RolloutStatus.succeeded else "exit_code:1")
+        groups: dict[str, list[str]] = {}
+        for rid in plan:  # registered as the trainer's scheduler registers its groups
+            groups.setdefault(rid.rsplit("-", 1)[0], []).append(rid)
+        for gid, ids in groups.items():
+            await store.register_group(GroupInfo(group_id=gid, rollout_ids=ids))
     finally:
         await store.close()
 
@@ -103,6 +108,23 @@ def test_rows_shape_is_what_trains(recorded):
     assert r0["n_calls"] == 2 and r0["group_id"] == f"{RUN}-g0"
     # GRPO, std-normalized, within group g0 (rewards 1 and 0): +/- 1/std(unbiased) = +/- 0.7071
     assert r0["advantage"] == pytest.approx(0.7071, abs=1e-3) and r1["advantage"] == pytest.approx(-0.7071, abs=1e-3)
+
+
+def test_rows_of_one_rollout_get_the_advantage_its_group_gave_it(recorded, tmp_path):
+    """The rows shape is built by training's own code over the rollout's whole group: one rollout exported
+    alone keeps its group's advantage (it was 0: a group of one), and the run's settings apply."""
+    (row,) = jsonl(export(recorded, "--rollout", f"{RUN}-g0-1", "--shape", "rows"))
+    assert row["rollout_id"] == f"{RUN}-g0-1" and row["advantage"] == pytest.approx(-0.7071, abs=1e-3)
+    strict = tmp_path / "config.json"  # a run's config.json: a group needs 3 succeeded rollouts to train
+    strict.write_text(json.dumps({"min_group_size": 3, "group_size": 8}))
+    assert jsonl(export(recorded, "--run", RUN, "--shape", "rows", "--config", str(strict))) == []
+    rows = jsonl(export(recorded, "--run", RUN, "--shape", "rows", "--config", str(tmp_path / "row.yaml"))
+                 if (tmp_path / "row.yaml").write_text("advantage: rloo\n") else None)
+    assert [r["advantage"] for r in rows] == pytest.approx([1.0, -1.0])  # RLOO: 1 - 0, 0 - 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("advantage_level: episode\n")
+    res = export(recorded, "--run", RUN, "--shape", "rows", "--config", str(bad))
+    assert res.exit_code == 2 and "invalid config" in res.output and "advantage_level" in res.output
 
 
 def test_messages_shape_is_sft_ready(recorded):

@@ -138,7 +138,7 @@ def reference_loss(b, rows: list[Row], adv: list[float]) -> tuple[float, dict[st
     """The per-rollout PPO loss over ``rows`` in one forward pass, and its LoRA gradients."""
     b.model.train()
     b.model.zero_grad(set_to_none=True)
-    lp, mask = b._response_logprobs(rows)
+    lp, mask, _ = b._response_logprobs(rows)
     old = torch.zeros_like(lp)
     for j, r in enumerate(rows):
         old[j, : len(r.old_logprobs)] = torch.tensor(r.old_logprobs)

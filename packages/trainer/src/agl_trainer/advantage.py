@@ -15,6 +15,12 @@ Two baselines, chosen by ``TrainConfig.advantage`` (:func:`rollout_advantages`):
 With either, a group of one rollout, or of equal rewards, gets ``A = 0`` (verl gives a singleton group its
 raw reward instead; the loop drops groups under ``min_group_size`` anyway). A rollout with many rows
 still counts once in its group's statistics: these functions take one reward per *rollout*.
+
+:func:`row_advantages` gives each training row its value at either **level** (``TrainConfig.advantage_level``):
+``rollout`` (above: one sample per rollout, broadcast to its rows; Agent Lightning's "rollout-level" credit) or
+``row``, the sample-level baseline of the ablation: every row is its own sample in its group's statistics, so a
+rollout that broke into three rows counts three times in the group's mean and std (what verl's
+``compute_grpo_outcome_advantage`` does with rows of one ``uid``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Literal
 import torch
 
 Estimator = Literal["grpo", "rloo"]
+AdvantageLevel = Literal["rollout", "row"]
 
 
 def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool = True,
@@ -83,3 +90,32 @@ def rollout_advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimat
     if estimator == "rloo":
         return rloo_advantages(rewards, group_index)
     raise ValueError(f"unknown advantage estimator {estimator!r} (grpo or rloo)")
+
+
+def row_advantages(rewards: torch.Tensor, group_index: torch.Tensor, rows_per_rollout: torch.Tensor,
+                   level: AdvantageLevel = "rollout", estimator: Estimator = "grpo", norm_by_std: bool = True,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per training row, rows in rollout order (rollout 0's rows first).
+
+    Args:
+        rewards: ``(R,)`` float, one reward per rollout.
+        group_index: ``(R,)`` int64, the group of each rollout.
+        rows_per_rollout: ``(R,)`` int64 (>= 0), how many rows each rollout yielded.
+        level: ``rollout``: :func:`rollout_advantages` over the ``R`` rollouts, repeated for each row;
+            ``row``: :func:`rollout_advantages` over the rows, each row a sample carrying its rollout's
+            reward and group.
+        estimator, norm_by_std, eps: as in :func:`rollout_advantages`.
+    Returns:
+        ``(rows_per_rollout.sum(),)`` float32.
+    Raises:
+        ValueError: an unknown ``level`` or estimator, or tensors of different lengths.
+    """
+    if not (len(rewards) == len(group_index) == len(rows_per_rollout)):
+        raise ValueError(f"{len(rewards)} rewards, {len(group_index)} group labels, {len(rows_per_rollout)} row counts")
+    if level == "rollout":
+        adv = rollout_advantages(rewards, group_index, estimator, norm_by_std, eps)
+        return adv.repeat_interleave(rows_per_rollout)
+    if level == "row":
+        return rollout_advantages(rewards.repeat_interleave(rows_per_rollout),
+                                  group_index.repeat_interleave(rows_per_rollout), estimator, norm_by_std, eps)
+    raise ValueError(f"unknown advantage level {level!r} (rollout or row)")

@@ -98,22 +98,27 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
                                    "mini-batches (default: the config's `seed` field)"),
           logger: list[str] = LoggerOpt, redis: str = RunRedisOpt, prefix: str = RunPrefixOpt):
     """Train with the settings in CONFIG (missing keys take the demo defaults; options override it)."""
-    from pydantic import ValidationError
-
-    from .config import TrainConfig
-
     options = {k: v for k, v in {"backend": backend, "seed": seed}.items() if v is not None}
-    try:
-        cfg = TrainConfig.from_yaml(config)
-        cfg = TrainConfig.model_validate({**cfg.model_dump(), **_redis_overrides(redis, prefix), **options})
-    except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {escape(str(config))}[/red]: {escape(str(exc))}")
-        raise typer.Exit(2) from None
-    cfg = _with_loggers(cfg, logger)
+    cfg = _with_loggers(_load_config(config, {**_redis_overrides(redis, prefix), **options}), logger)
     if cfg.backend == "verl":
         _run_verl(cfg, resume)
     else:
         _run(cfg, resume)
+
+
+def _load_config(path: Path, overrides: dict | None = None):
+    """The :class:`TrainConfig` in ``path`` (YAML, or a run's ``config.json``) with ``overrides`` applied;
+    a file that does not validate: its error and exit 2."""
+    from pydantic import ValidationError
+
+    from .config import TrainConfig
+
+    try:
+        cfg = TrainConfig.from_yaml(path)
+        return TrainConfig.model_validate({**cfg.model_dump(), **overrides}) if overrides else cfg
+    except (ValidationError, ValueError) as exc:
+        err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
 
 def _run_verl(cfg, resume_dir: Path | None) -> None:
@@ -192,17 +197,9 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON only"),
           logger: list[str] = LoggerOpt):
     """Run the harness on the held-out inputs without training: accuracy, pass@k, reward distribution."""
-    from pydantic import ValidationError
-
-    from .config import TrainConfig
     from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
 
-    try:
-        cfg = TrainConfig.from_yaml(config)
-    except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {escape(str(config))}[/red]: {escape(str(exc))}")
-        raise typer.Exit(2) from None
-    cfg = _with_loggers(cfg, logger)
+    cfg = _with_loggers(_load_config(config), logger)
     if n < 1:
         err.print(f"[red]--n must be at least 1[/red], got {n}")
         raise typer.Exit(2)
@@ -374,6 +371,9 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
                     fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (parquet needs --out)"),
                     out: Path = typer.Option(None, "--out", dir_okay=False,
                                              help="write here instead of standard output"),
+                    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                                help="--shape rows: the run's settings (its runs/.../config.json, "
+                                                "or a train YAML); default: TrainConfig's defaults"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
     from agl_common.schemas import RolloutStatus
@@ -397,12 +397,24 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     if out is not None and not out.parent.is_dir():  # (checked before anything is read)
         err.print(f"[red]--out {escape(str(out))}[/red]: directory {escape(str(out.parent))} does not exist")
         raise typer.Exit(2) from None
+    cfg = _load_config(config) if config is not None else None
     stats = ExportStats()
+    eos_ids, decode = None, None
+    if shape == "rows":  # the base model's end-of-turn ids, as training reads them
+        from transformers import AutoTokenizer
+
+        from .aggregate import end_of_turn_ids
+        from .model import ensure_base_model
+
+        base_dir = ensure_base_model()
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        eos_ids, decode = end_of_turn_ids(tokenizer, base_dir), tokenizer.decode
 
     async def main():
         store = _store(redis, prefix)
         try:
-            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, stats=stats)
+            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, cfg, eos_ids, decode,
+                                 stats=stats)
         finally:
             await store.close()
 

@@ -59,6 +59,14 @@ class TrainConfig(BaseModel):
         "grpo", description="baseline of the rollout-level advantage: grpo (group mean, std-normalized if "
         "norm_by_std) or rloo (leave-one-out mean of the other rollouts of the group, never std-normalized)")
     norm_by_std: bool = Field(True, description="grpo only: divide by the group's reward std")
+    advantage_level: Literal["rollout", "row"] = Field(
+        "rollout", description="credit assignment: rollout (one advantage per rollout from its group's rollouts, "
+        "given to each of its rows) or row (sample level: each row its own sample in the group's statistics, so a "
+        "rollout with k rows counts k times)")
+    loss_agg_mode: Literal["rollout-mean", "token-mean", "seq-mean-token-mean"] = Field(
+        "rollout-mean", description="loss normalization (verl's loss_agg_mode names): rollout-mean (every rollout "
+        "weighs the same whatever its rows and tokens), token-mean (every sampled token of the mini-batch), "
+        "seq-mean-token-mean (every row)")
     min_group_size: int = Field(2, ge=1, description="train on a group only if this many rollouts succeeded")
     lr: float = Field(3e-4, gt=0)
     lora_rank: int = Field(16, ge=1)

@@ -3,13 +3,15 @@
 Shapes (one record = one line of JSON Lines, one row of Parquet):
 
 - ``calls``: every recorded call as the gateway stored it (:class:`~agl_common.schemas.CallRecord`, CONTRACT §3).
-- ``rows``: what the trainer trains on, built as the run builds it: :func:`~agl_trainer.aggregate.build_rows`
-  (``aggregation``, default ``trajectory``) over the current attempt of each *succeeded, rewarded* rollout
-  (failed ones never train), and the rollout-level advantage (``advantage``/``norm_by_std``, default GRPO
-  std-normalized, :func:`~agl_trainer.advantage.rollout_advantages`) among the exported rollouts of each
-  group. Fields: ``rollout_id``, ``attempt_id``, ``group_id``, ``row`` (index in the rollout), ``reward``,
-  ``advantage``, ``model_version``, ``n_calls``, ``prompt_ids``, ``response_ids``, ``response_mask`` (1 =
-  sampled, 0 = context), ``logprobs`` (nats, 0.0 at mask 0), ``has_logprobs``.
+- ``rows``: what the trainer trains on, built by the code that trains (:func:`agl_trainer.loop.select_groups` then
+  :func:`agl_trainer.loop.build_batch`) with the run's settings (``--config``: its ``config.json``; defaults
+  otherwise) and the base model's end-of-turn ids: over the current attempt of each *succeeded, rewarded*
+  rollout of the exported rollouts' groups (the group registry's members, so ``--rollout X`` gets the advantage
+  its group gave it; a group with fewer than ``min_group_size`` such rollouts trains nothing), with
+  ``max_prompt_tokens``/``max_response_tokens``, ``aggregation`` and the advantage (``advantage``,
+  ``norm_by_std``, ``advantage_level``). Fields: ``rollout_id``, ``attempt_id``, ``group_id``, ``row`` (index
+  in the rollout), ``reward``, ``advantage``, ``model_version``, ``n_calls``, ``prompt_ids``, ``response_ids``,
+  ``response_mask`` (1 = sampled, 0 = context), ``logprobs`` (nats, 0.0 at mask 0), ``has_logprobs``.
 - ``messages``: SFT-ready chat conversations of the current attempt of each rollout (``ok`` chat-route calls):
   a call's request ``messages`` plus the assistant message it got back; a later call whose messages start
   with that conversation extends it, any other starts a new record. Fields: ``rollout_id``, ``attempt_id``,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +36,8 @@ from typing import Any, Literal
 import orjson
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
 from agl_common.store import Store
+
+from .config import TrainConfig
 
 Shape = Literal["calls", "rows", "messages"]
 Format = Literal["jsonl", "parquet"]
@@ -120,10 +125,13 @@ def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[lis
     return [tuple(x) for x in out]
 
 
-async def collect(store: Store, flt: ExportFilter, shape: Shape, aggregation: str = "trajectory",
-                  advantage: str = "grpo", norm_by_std: bool = True,
+async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfig | None = None,
+                  eos_token_ids: Collection[int] | None = None, decode: Callable[[list[int]], str] | None = None,
                   stats: ExportStats | None = None) -> list[dict[str, Any]]:
     """Records of ``shape`` for the rollouts matching ``flt`` (see the module docstring for each shape).
+
+    ``cfg`` (the run's settings; defaults if None), ``eos_token_ids`` and ``decode`` are used by ``rows`` only,
+    as training uses them (:func:`agl_trainer.loop.build_batch`).
 
     Raises:
         ExportError: unknown ``shape``.
@@ -144,39 +152,48 @@ async def collect(store: Store, flt: ExportFilter, shape: Shape, aggregation: st
                             "reward": r.reward, "status": r.status.value, "n_calls": n, "messages": messages,
                             "tools": tools})
     else:
-        out = await _rows(store, rollouts, aggregation, advantage, norm_by_std)
+        out = await _rows(store, rollouts, cfg or TrainConfig(), eos_token_ids, decode)
     stats.rollouts, stats.records = len(rollouts), len(out)
     return out
 
 
-async def _rows(store: Store, rollouts: list[Rollout], aggregation: str, advantage: str,
-                norm_by_std: bool) -> list[dict[str, Any]]:
-    import torch
-
-    from .advantage import rollout_advantages
-    from .aggregate import build_rows
-
-    per_rollout = []
+async def group_members(store: Store, rollouts: list[Rollout]) -> list[Rollout]:
+    """Every rollout of the groups of ``rollouts`` (from the group registry; a group never registered, e.g.
+    rollouts made with ``rollouts create``, is the given rollouts that carry its id), each once, in order."""
+    by_group: dict[str, list[Rollout]] = {}
     for r in rollouts:
-        if r.status != RolloutStatus.succeeded or r.reward is None:
+        by_group.setdefault(r.group_id or r.rollout_id, []).append(r)
+    out: dict[str, Rollout] = {}
+    infos = await store.groups(list(by_group))
+    for (gid, given), info in zip(by_group.items(), infos):
+        if info is None:
+            out.update((r.rollout_id, r) for r in given)
+        else:
+            out.update((r.rollout_id, r) for r in await store.get_rollouts(info.rollout_ids))
+    return list(out.values())
+
+
+async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig, eos_token_ids: Collection[int] | None,
+                decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
+    """The training rows of ``rollouts``: training's own selection and batch builder over their whole groups
+    (:func:`agl_trainer.loop.select_groups` with ``cfg.min_group_size``, then
+    :func:`agl_trainer.loop.build_batch`), only the given rollouts' rows kept."""
+    from .loop import build_batch, select_groups
+
+    kept, _ = select_groups(await group_members(store, rollouts), cfg.min_group_size)
+    rows, advantages, _, _ = await build_batch(store, kept, cfg, decode, eos_token_ids)
+    wanted = {r.rollout_id: r for r in rollouts}
+    out, index = [], Counter()
+    for row, a in zip(rows, advantages):
+        r = wanted.get(row.rollout_id)
+        if r is None:
             continue
-        rows = build_rows(await store.read_calls(r.rollout_id, r.attempt_id), aggregation)
-        if rows:
-            per_rollout.append((r, rows))
-    if not per_rollout:
-        return []
-    gid = {g: k for k, g in enumerate(sorted({r.group_id or r.rollout_id for r, _ in per_rollout}))}
-    adv = rollout_advantages(torch.tensor([float(r.reward) for r, _ in per_rollout]),
-                             torch.tensor([gid[r.group_id or r.rollout_id] for r, _ in per_rollout]),
-                             advantage, norm_by_std).tolist()
-    out = []
-    for (r, rows), a in zip(per_rollout, adv):
-        for k, row in enumerate(rows):
-            out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id, "row": k,
-                        "reward": r.reward, "advantage": a, "model_version": row.model_version,
-                        "n_calls": row.n_calls, "prompt_ids": row.prompt_ids, "response_ids": row.response_ids,
-                        "response_mask": row.response_mask, "logprobs": row.old_logprobs,
-                        "has_logprobs": row.has_logprobs})
+        out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id,
+                    "row": index[r.rollout_id], "reward": r.reward, "advantage": a, "model_version": row.model_version,
+                    "n_calls": row.n_calls, "prompt_ids": row.prompt_ids, "response_ids": row.response_ids,
+                    "response_mask": row.response_mask, "logprobs": row.old_logprobs,
+                    "has_logprobs": row.has_logprobs})
+        index[r.rollout_id] += 1
     return out
 
 

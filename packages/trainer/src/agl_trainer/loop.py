@@ -33,7 +33,7 @@ from agl_common.store import Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .advantage import rollout_advantages
+from .advantage import row_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
 from .hardware import describe
@@ -115,8 +115,9 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
                       calls: dict[str, list] | None = None) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
     """Rows and per-row advantages for the kept rollouts; rollouts that yield no row leave the statistics.
 
-    The advantage is computed once per rollout with ``cfg.advantage`` (``grpo`` or ``rloo``, see
-    :func:`agl_trainer.advantage.rollout_advantages`) and repeated for each of the rollout's rows.
+    Advantages: :func:`agl_trainer.advantage.row_advantages` with ``cfg.advantage`` (``grpo`` or ``rloo``) at
+    ``cfg.advantage_level`` (``rollout``: once per rollout, repeated for each of its rows; ``row``: each row a
+    sample). The one batch builder: training steps and ``rollouts export --shape rows`` both call it.
 
     ``decode`` (token ids → text) and ``eos_token_ids`` go to :func:`build_rows` (merge-break classes).
     ``calls``: the rollouts' call records already read (rollout id → records); read from ``store`` if absent.
@@ -132,15 +133,14 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
             per_rollout.append((r, rows))
     if not per_rollout:
         return [], [], stats, {}
-    group_ids = {g: k for k, g in enumerate(sorted({r.group_id for r, _ in per_rollout}))}
-    rewards = torch.tensor([r.reward for r, _ in per_rollout])
-    adv = rollout_advantages(rewards, torch.tensor([group_ids[r.group_id] for r, _ in per_rollout]),
-                             cfg.advantage, cfg.norm_by_std)
-    rows, row_adv = [], []
-    for (r, rs), a in zip(per_rollout, adv.tolist()):
-        rows += rs
-        row_adv += [a] * len(rs)
-    return rows, row_adv, stats, {"adv_abs_mean": float(adv.abs().mean())}
+    group_ids = {g: k for k, g in enumerate(sorted({r.group_id or r.rollout_id for r, _ in per_rollout}))}
+    n_rows = torch.tensor([len(rs) for _, rs in per_rollout])
+    adv = row_advantages(torch.tensor([float(r.reward) for r, _ in per_rollout]),
+                         torch.tensor([group_ids[r.group_id or r.rollout_id] for r, _ in per_rollout]),
+                         n_rows, cfg.advantage_level, cfg.advantage, cfg.norm_by_std)
+    rows = [row for _, rs in per_rollout for row in rs]
+    first = torch.cumsum(n_rows, 0) - n_rows  # each rollout's first row: its rows share one value at either level
+    return rows, adv.tolist(), stats, {"adv_abs_mean": float(adv[first].abs().mean())}
 
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
@@ -321,7 +321,8 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                 progress.remove_task(rtask)
                 if show:  # the console tracker's line
                     upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
-                           f"KL {m['kl']:.4f}" if "loss" in m else m["skipped_update"])
+                           f"KL {m['kl']:.4f}" + (f", entropy {m['entropy']:.3f}" if "entropy" in m else "")
+                           if "loss" in m else m["skipped_update"])
                     console.print(f"step {step}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} "
                                   f"of groups, {m['truncation_rate']:.0%} of replies cut at max_tokens, "
                                   f"{m['response_tokens_mean']:.0f} tokens/reply, {upd}; {m['step_s']:.0f} s "

@@ -18,11 +18,20 @@ Per-rollout normalization: every rollout weighs the same whatever its number of 
     L = (1 / R) * sum_r (1 / T_r) * sum_{rows of r} sum_t mask_t * pg_t
 
 with ``R`` rollouts in the batch and ``T_r`` the response-mask tokens of rollout ``r`` over all its rows.
+
+The sample-level normalizations of the ablation (``TrainConfig.loss_agg_mode``, verl's ``loss_agg_mode`` names;
+:func:`token_weights`): ``token-mean`` (every sampled token of the batch weighs the same: a long or many-row
+rollout weighs more) and ``seq-mean-token-mean`` (every *row* weighs the same: a rollout with three rows
+weighs three times).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+LossAggMode = Literal["rollout-mean", "token-mean", "seq-mean-token-mean"]
 
 
 def per_rollout_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor) -> torch.Tensor:
@@ -43,6 +52,33 @@ def per_rollout_token_weights(response_mask: torch.Tensor, rollout_index: torch.
     return mask * (row_scale / n_rollouts).unsqueeze(1)
 
 
+def token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor,
+                  mode: LossAggMode = "rollout-mean") -> torch.Tensor:
+    """Token weights for :func:`ppo_loss`, summing to 1 over the batch's sampled tokens (all 0 if none).
+
+    Args:
+        response_mask: ``(B, T)`` 0/1 (any dtype), 1 where the policy sampled the token.
+        rollout_index: ``(B,)`` int64, the rollout of each row (used by ``rollout-mean`` only).
+        mode: ``rollout-mean`` (:func:`per_rollout_token_weights`: ``mask / (T_r * R)``), ``token-mean``
+            (``mask / N``, ``N`` sampled tokens in the batch) or ``seq-mean-token-mean`` (``mask / (T_b * B')``,
+            ``T_b`` the row's sampled tokens, ``B'`` the rows that have any; verl ``core_algos.agg_loss``).
+    Returns:
+        ``(B, T)`` float32.
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    mask = response_mask.to(torch.float32)
+    if mode == "rollout-mean":
+        return per_rollout_token_weights(mask, rollout_index)
+    if mode == "token-mean":
+        return mask / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        per_row = mask.sum(dim=1, keepdim=True)
+        n_rows = (per_row > 0).sum().clamp(min=1)
+        return torch.where(per_row > 0, mask / per_row.clamp(min=1), 0.0) / n_rows
+    raise ValueError(f"unknown loss_agg_mode {mode!r} (rollout-mean, token-mean or seq-mean-token-mean)")
+
+
 def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
              weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
              clip_c: float | None = 3.0, is_weights: torch.Tensor | None = None
@@ -53,7 +89,7 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
         logprobs: ``(B, T)`` float, current policy logprobs of the response tokens (nats).
         old_logprobs: ``(B, T)`` float, behaviour-policy logprobs (the engine's, as recorded).
         advantages: ``(B,)`` or ``(B, T)`` float; a per-row value is broadcast over tokens.
-        weights: ``(B, T)`` float from :func:`per_rollout_token_weights` (0 at context tokens).
+        weights: ``(B, T)`` float from :func:`token_weights` (0 at context tokens).
         clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
         clip_c: dual-clip constant (> 1), or None to disable.
         is_weights: ``(B, T)`` token-level importance weights multiplied into ``pg`` (e.g. truncated IS).

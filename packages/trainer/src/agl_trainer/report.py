@@ -12,7 +12,7 @@ from .stepstats import TIME_KEYS
 COLUMNS = [("step", "step", "{}"), ("reward_mean", "reward", "{:.2f}"), ("group_signal_frac", "signal", "{:.0%}"),
            ("truncation_rate", "cut", "{:.0%}"), ("response_tokens_mean", "tokens", "{:.0f}"),
            ("loss", "loss", "{:+.3f}"), ("ratio_first", "ratio₀", "{:.3f}"), ("clip_frac_first", "clip₀", "{:.1%}"),
-           ("kl", "KL", "{:.4f}"), ("rows", "rows", "{}"), ("merge_breaks", "breaks", "{}"), ("failed", "failed", "{}"),
+           ("kl", "KL", "{:.4f}"), ("entropy", "H", "{:.3f}"), ("rows", "rows", "{}"), ("merge_breaks", "breaks", "{}"), ("failed", "failed", "{}"),
            ("time_generation_s", "gen s", "{:.0f}"), ("time_harness_startup_s", "start s", "{:.0f}"),
            ("time_update_s", "update s", "{:.0f}"), ("step_s", "step s", "{:.0f}")]
 

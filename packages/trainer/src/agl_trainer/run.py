@@ -91,6 +91,6 @@ def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str
                       micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                       clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap,
                       bf16=(dtype := choose_dtype(cfg.dtype, read_cpuinfo())) == "bfloat16", engine_dtype=dtype,
-                      serving=cfg.policy_serving,
+                      serving=cfg.policy_serving, loss_agg_mode=cfg.loss_agg_mode,
                       ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts,
                       max_updates_per_step=cfg.max_updates_per_step, engine_url=engine_url, model_name=cfg.model_name)

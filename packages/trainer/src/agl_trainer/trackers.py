@@ -43,7 +43,7 @@ INSTALL = {"tensorboard": "tensorboard==2.20.0",
 #: Modules a tracker imports (all must be present).
 MODULES = {"tensorboard": ("tensorboard", "torch"), "wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
 #: Metrics the console line shows, in this order, when present.
-CONSOLE_KEYS = ("reward_mean", "accuracy", "rows", "merge_breaks", "failed", "carried_over", "loss", "kl", "step_s")
+CONSOLE_KEYS = ("reward_mean", "accuracy", "rows", "merge_breaks", "failed", "carried_over", "loss", "kl", "entropy", "step_s")
 
 
 class TrackerMissing(RuntimeError):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..aggregate import Row
-from ..loss import per_rollout_token_weights, ppo_loss, truncated_is_weights
+from ..loss import ppo_loss, token_weights, truncated_is_weights
 from ..minibatch import plan_mini_batches
 
 
@@ -47,6 +47,8 @@ class CpuBackend:
         model_name: the base model's served name (policy version 0; every version with ``serving="merged"``).
         serving: ``merged`` or ``adapter`` (see the module docstring).
         engine_dtype: ``bfloat16`` or ``float32``: the dtype merged weights are written in.
+        loss_agg_mode: how a mini-batch's token losses are weighed (:func:`agl_trainer.loss.token_weights`):
+            ``rollout-mean`` (default), ``token-mean`` or ``seq-mean-token-mean``.
     """
 
     name = "cpu"
@@ -56,7 +58,7 @@ class CpuBackend:
                  clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None,
                  ppo_mini_batch_rollouts: int | None = None, max_updates_per_step: int | None = None,
                  engine_url: str | None = None, model_name: str = "smollm2", serving: str = "merged",
-                 engine_dtype: str = "bfloat16"):
+                 engine_dtype: str = "bfloat16", loss_agg_mode: str = "rollout-mean"):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -85,6 +87,8 @@ class CpuBackend:
             raise ValueError(f"serving must be merged or adapter, got {serving!r}")
         self.serving = serving
         self.engine_dtype = getattr(torch, engine_dtype)
+        token_weights(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), loss_agg_mode)  # ValueError if unknown
+        self.loss_agg_mode = loss_agg_mode
         self.tied = bool(getattr(base.config, "tie_word_embeddings", False))
 
     # ------------------------------------------------------------------ batching
@@ -101,8 +105,11 @@ class CpuBackend:
             batches.append(cur)
         return batches
 
-    def _response_logprobs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward a micro-batch; returns ``(logprobs (b, T_resp), mask (b, T_resp))`` right-padded."""
+    def _response_logprobs(self, rows: list[Row], entropy: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Forward a micro-batch; returns ``(logprobs (b, T_resp), mask (b, T_resp), entropy)`` right-padded,
+        ``entropy`` (b, T_resp) float32 in nats (``H = logsumexp(z) - Σ softmax(z) z``, no gradient) only when
+        asked for, else None."""
         lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
         L = max(lengths)
         ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
@@ -118,15 +125,23 @@ class CpuBackend:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             logits = self.model(input_ids=ids, attention_mask=attn, logits_to_keep=L - start).logits[:, :-1].float()
         # log p(token) = logit[token] - logsumexp(logits): no (b, keep, vocab) log-softmax copy is kept.
-        token_lp = logits.gather(-1, ids[:, start + 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)
+        token_lp = logits.gather(-1, ids[:, start + 1:].unsqueeze(-1)).squeeze(-1) - lse
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
         T = max(len(r.response_ids) for r in rows)
         out = torch.zeros((len(rows), T))
         mask = torch.zeros((len(rows), T))
+        ent_out = torch.zeros((len(rows), T)) if entropy else None
         for b, r in enumerate(rows):
             p, n = len(r.prompt_ids) - start, len(r.response_ids)
             out[b, :n] = token_lp[b, p - 1: p - 1 + n]
             mask[b, :n] = torch.tensor(r.response_mask, dtype=torch.float32)
-        return out, mask
+            if ent_out is not None:
+                ent_out[b, :n] = ent[b, p - 1: p - 1 + n]
+        return out, mask, ent_out
 
     @torch.no_grad()
     def logprobs(self, rows: list[Row]) -> list[list[float]]:
@@ -134,7 +149,7 @@ class CpuBackend:
         self.model.eval()
         out: list[list[float]] = [[] for _ in rows]
         for mb in self._micro_batches(list(range(len(rows))), rows):
-            lp, _ = self._response_logprobs([rows[i] for i in mb])
+            lp, _, _ = self._response_logprobs([rows[i] for i in mb])
             for j, i in enumerate(mb):
                 out[i] = lp[j, : len(rows[i].response_ids)].tolist()
         return out
@@ -155,9 +170,9 @@ class CpuBackend:
         total, count = 0.0, 0.0
         for mb in self._micro_batches(list(range(len(rows))), rows):
             batch = [rows[i] for i in mb]
-            lp, mask = self._response_logprobs(batch)
+            lp, mask, _ = self._response_logprobs(batch)
             with self.model.disable_adapter():
-                base, _ = self._response_logprobs(batch)
+                base, _, _ = self._response_logprobs(batch)
             d = base - lp
             total += float(((d.exp() - d - 1) * mask).sum())
             count += float(mask.sum())
@@ -170,7 +185,8 @@ class CpuBackend:
         The rows are split by rollout with :func:`agl_trainer.minibatch.plan_mini_batches`
         (``ppo_mini_batch_rollouts`` rollouts per step, at most ``max_updates_per_step`` steps, seeded order);
         with neither set, one step over the whole batch. Each mini-batch's loss is the per-rollout mean over
-        *its* rollouts (:func:`per_rollout_token_weights` on its rows only). The ratio's ``old`` side is the
+        *its* rollouts (:func:`agl_trainer.loss.token_weights` on its rows only; another ``loss_agg_mode``
+        weighs its tokens or its rows alike instead). The ratio's ``old`` side is the
         engine's recorded logprobs (or, with ``tis_cap``, the trainer's policy before the first step),
         the same for every mini-batch.
 
@@ -181,7 +197,8 @@ class CpuBackend:
             stats: ``loss`` and ``grad_norm`` (pre-clip) averaged over the optimizer steps, ``clip_frac`` and
             ``ratio_mean`` averaged over micro-batches, ``ratio_first`` / ``clip_frac_first`` of the first
             micro-batch (before any optimizer step of this update: ≈ 1 / 0 unless engine and trainer disagree),
-            ``kl`` (:meth:`kl_to_base` on up to ``kl_sample_rows`` rows, after the update), ``train_tokens`` (sampled tokens trained on),
+            ``entropy`` (mean token entropy of the policy, nats, over the sampled tokens of the trained rows,
+            from the update's own forward passes), ``kl`` (:meth:`kl_to_base` on up to ``kl_sample_rows`` rows, after the update), ``train_tokens`` (sampled tokens trained on),
             ``updates`` (optimizer steps), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
             ``update_s`` (seconds).
         """
@@ -195,23 +212,26 @@ class CpuBackend:
             trainer_old = dict(zip(kept, self.logprobs([rows[i] for i in kept])))
         self.model.train()
         losses, grad_norms, clip_fracs, ratios, tokens = [], [], [], [], 0
+        entropy = [0.0, 0.0]  # (sum over sampled tokens, their count)
         for batch in plan.batches:
-            loss, norm, n_tokens = self._step(rows, row_advantages, batch, trainer_old, clip_fracs, ratios)
+            loss, norm, n_tokens = self._step(rows, row_advantages, batch, trainer_old, clip_fracs, ratios, entropy)
             losses.append(loss)
             grad_norms.append(norm)
             tokens += n_tokens
         return {"loss": sum(losses) / len(losses), "clip_frac": sum(clip_fracs) / len(clip_fracs),
                 "ratio_mean": sum(ratios) / len(ratios), "grad_norm": sum(grad_norms) / len(grad_norms),
                 "ratio_first": ratios[0], "clip_frac_first": clip_fracs[0],
+                "entropy": entropy[0] / max(entropy[1], 1.0),
                 "kl": self.kl_to_base([rows[i] for i in plan.kept[: self.kl_sample_rows]]),
                 "train_tokens": tokens, "updates": len(plan.batches), "dropped_rollouts": plan.dropped_rollouts,
                 "dropped_rows": plan.dropped_rows, "update_s": time.perf_counter() - t0}
 
     def _step(self, rows: list[Row], row_advantages: list[float], batch: list[int],
               trainer_old: dict[int, list[float]] | None, clip_fracs: list[float],
-              ratios: list[float]) -> tuple[float, float, int]:
+              ratios: list[float], entropy: list[float]) -> tuple[float, float, int]:
         """One optimizer step on the rows ``batch`` (indices into ``rows``), gradients accumulated over
-        micro-batches. Appends per-micro-batch stats to ``clip_fracs``/``ratios``; returns
+        micro-batches. Appends per-micro-batch stats to ``clip_fracs``/``ratios``, adds the sampled tokens'
+        entropy sum and count to ``entropy[0]``/``entropy[1]``; returns
         ``(loss, pre-clip gradient norm, sampled tokens)``."""
         local = {i: k for k, i in enumerate(batch)}
         rindex = {rid: k for k, rid in enumerate(sorted({rows[i].rollout_id for i in batch}))}
@@ -219,13 +239,16 @@ class CpuBackend:
         mask_all = torch.zeros((len(batch), T))
         for k, i in enumerate(batch):
             mask_all[k, : len(rows[i].response_mask)] = torch.tensor(rows[i].response_mask, dtype=torch.float32)
-        weights_all = per_rollout_token_weights(mask_all, torch.tensor([rindex[rows[i].rollout_id] for i in batch]))
+        weights_all = token_weights(mask_all, torch.tensor([rindex[rows[i].rollout_id] for i in batch]),
+                                    self.loss_agg_mode)
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         order = sorted(batch, key=lambda i: -len(rows[i].response_ids))
         for mb in self._micro_batches(order, rows):
             mb_rows = [rows[i] for i in mb]
-            lp, mask = self._response_logprobs(mb_rows)
+            lp, mask, ent = self._response_logprobs(mb_rows, entropy=True)
+            entropy[0] += float((ent * mask).sum())
+            entropy[1] += float(mask.sum())
             Tm = lp.shape[1]
             old = torch.zeros_like(lp)
             for j, r in enumerate(mb_rows):

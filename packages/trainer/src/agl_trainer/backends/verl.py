@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..loss import per_rollout_token_weights, ppo_loss
+from ..loss import ppo_loss, token_weights
 
 if TYPE_CHECKING:  # aggregate imports agl_common, which the verl environment does not have
     from ..aggregate import Row
@@ -58,23 +58,26 @@ VERL_LOSS_NAME = "agl_per_rollout"
 
 
 # ---------------------------------------------------------------------------------------------- batch
-def verl_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor) -> torch.Tensor:
-    """Per-rollout token weights scaled for verl's ``token-mean``: ``mask * N / (T_r * R)``.
+def verl_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor,
+                       loss_agg_mode: str = "rollout-mean") -> torch.Tensor:
+    """Token weights scaled for verl's ``token-mean``: :func:`agl_trainer.loss.token_weights` times ``N``
+    (per rollout, the default: ``mask * N / (T_r * R)``).
 
     Args:
         response_mask: ``(B, T)`` 0/1, 1 where the policy sampled the token.
         rollout_index: ``(B,)`` int64, the rollout of each row.
+        loss_agg_mode: ``rollout-mean``, ``token-mean`` (every weight is the mask) or ``seq-mean-token-mean``.
     Returns:
         ``(B, T)`` float32; mean 1 over masked tokens, 0 elsewhere. Equal to ``mask`` when every
         rollout has the same number of masked tokens (one row per rollout, equal lengths).
     """
     n_tokens = response_mask.to(torch.float32).sum()
-    return per_rollout_token_weights(response_mask, rollout_index) * n_tokens
+    return token_weights(response_mask, rollout_index, loss_agg_mode) * n_tokens
 
 
 def rows_to_batch(rows: Sequence[Row], row_advantages: Sequence[float], group_of: Mapping[str, str],
                   pad_id: int = 0, prompt_length: int | None = None,
-                  response_length: int | None = None) -> dict[str, Any]:
+                  response_length: int | None = None, loss_agg_mode: str = "rollout-mean") -> dict[str, Any]:
     """Rows → the fields of a verl ``DataProto`` batch, as plain tensors and lists (no verl import).
 
     verl's layout: prompts left-padded to ``P``, responses right-padded to ``T``,
@@ -87,6 +90,7 @@ def rows_to_batch(rows: Sequence[Row], row_advantages: Sequence[float], group_of
         pad_id: id written at padded positions (masked out everywhere).
         prompt_length, response_length: pad to these lengths (verl's ``data.max_prompt_length`` /
             ``max_response_length``); None: the batch's longest.
+        loss_agg_mode: how ``rollout_is_weights`` weigh the tokens (:func:`verl_token_weights`).
     Returns:
         ``{"tensors": {...}, "non_tensors": {...}, "meta_info": {...}}`` with tensors ``prompts (B, P)``,
         ``responses (B, T)``, ``input_ids``, ``attention_mask``, ``position_ids`` ``(B, P+T)``,
@@ -144,7 +148,7 @@ def rows_to_batch(rows: Sequence[Row], row_advantages: Sequence[float], group_of
         "old_log_probs": old,
         "rollout_log_probs": old.clone(),
         "advantages": adv,
-        "rollout_is_weights": verl_token_weights(response_mask, rindex),
+        "rollout_is_weights": verl_token_weights(response_mask, rindex, loss_agg_mode),
         "agl_has_logprobs": torch.tensor([r.has_logprobs for r in rows], dtype=torch.bool),
     }
     non_tensors = {"uid": [group_of[r.rollout_id] for r in rows], "agl_rollout_id": [r.rollout_id for r in rows]}

@@ -89,6 +89,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     with Services(run_dir / "logs") as svc:
         def loop(backend: VerlBackend):
             backend.model_name = cfg.model_name
+            backend.loss_agg_mode = cfg.loss_agg_mode
             if state:  # before the engines are loaded: agents must never meet the un-restored policy
                 backend.restore(run_dir / "checkpoint")
             backend.start(state["version"] if state else 0)

@@ -241,6 +241,7 @@ class VerlBackend:
         self.trainer = trainer
         self.report_kl = report_kl
         self.model_name = model_name
+        self.loss_agg_mode = "rollout-mean"  # TrainConfig.loss_agg_mode, set by the run
         self.check_logprobs = check_logprobs
         tok = trainer.tokenizer
         self.pad_id = pad_id if pad_id is not None else (tok.pad_token_id if tok.pad_token_id is not None else 0)
@@ -266,7 +267,8 @@ class VerlBackend:
         zero-weight copies of the first row; ``meta_info`` as verl's own loop sets it)."""
         rows, row_advantages = list(rows), list(row_advantages)
         group_of = group_of or {r.rollout_id: r.rollout_id for r in rows}
-        batch = adapter.rows_to_batch(rows, row_advantages, group_of, pad_id=self.pad_id)
+        batch = adapter.rows_to_batch(rows, row_advantages, group_of, pad_id=self.pad_id,
+                                      loss_agg_mode=self.loss_agg_mode)
         n_pad = (-len(rows)) % self.dp_size
         if n_pad:
             t, nt = batch["tensors"], batch["non_tensors"]

@@ -21,6 +21,7 @@ RUNNING_WINDOW_S = 300
 CHARTS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
     ("reward and accuracy", [("reward mean", ("reward_mean",)), ("accuracy", ("accuracy",))]),
     ("loss", [("loss", ("loss",))]),
+    ("policy entropy (nats/token)", [("entropy", ("entropy",))]),
     ("KL and ratio", [("kl", ("kl", "kl_mean")), ("ratio mean", ("ratio_mean",)), ("clip frac", ("clip_frac",))]),
     ("rows, merge breaks, failed rollouts", [("rows", ("rows",)), ("merge breaks", ("merge_breaks",)),
                                              ("failed", ("failed",))]),
@@ -32,7 +33,8 @@ CHARTS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
 #: Columns of the run page's step table: (title, candidate keys).
 STEP_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("step", ("step",)), ("policy", ("policy_version",)), ("reward", ("reward_mean",)), ("acc", ("accuracy",)),
-    ("loss", ("loss",)), ("kl", ("kl", "kl_mean")), ("rows", ("rows",)), ("breaks", ("merge_breaks",)),
+    ("loss", ("loss",)), ("kl", ("kl", "kl_mean")), ("entropy", ("entropy",)),
+    ("rows", ("rows",)), ("breaks", ("merge_breaks",)),
     ("failed", ("failed",)), ("groups", ("groups",)), ("step s", ("step_s",)),
 ]
 

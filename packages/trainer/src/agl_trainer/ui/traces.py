@@ -2,8 +2,8 @@
 
 Rows and merge breaks come from :func:`agl_trainer.aggregate.build_rows` run on the rollout's current
 attempt with the run's own settings (``aggregation``, ``max_prompt_tokens``, ``max_response_tokens``),
-and advantages from :func:`agl_trainer.advantage.rollout_advantages` with the run's ``advantage``,
-``norm_by_std`` and ``min_group_size``, over the same rollouts the trainer keeps
+and advantages from :func:`agl_trainer.advantage.row_advantages` with the run's ``advantage``,
+``norm_by_std``, ``advantage_level`` and ``min_group_size``, over the same rollouts the trainer keeps
 (:func:`agl_trainer.loop.select_groups`, then only rollouts that yield a row, as ``build_batch`` does):
 the page shows what training used, not a re-implementation of it.
 """
@@ -20,13 +20,13 @@ import torch
 from agl_common.schemas import CallRecord, Rollout
 from agl_common.store import Store
 
-from ..advantage import rollout_advantages
+from ..advantage import row_advantages
 from ..aggregate import AggregateStats, Row, build_rows
 from ..loop import select_groups
 
 #: TrainConfig fields the views use, with the defaults of runs whose config lacks them.
 SETTINGS_DEFAULTS: dict[str, Any] = {"aggregation": "trajectory", "advantage": "grpo", "norm_by_std": True,
-                                     "min_group_size": 2, "max_prompt_tokens": None, "max_response_tokens": None}
+                                     "advantage_level": "rollout", "min_group_size": 2, "max_prompt_tokens": None, "max_response_tokens": None}
 
 
 def run_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -168,9 +168,13 @@ def group_view(rollouts: list[Rollout], traces: dict[str, TraceSummary], setting
     if not kept:
         return {"advantages": {}, "signal": "dropped", "kept": 0}
     rewards = torch.tensor([float(r.reward) for r in kept])
-    adv = rollout_advantages(rewards, torch.zeros(len(kept), dtype=torch.int64), settings["advantage"],
-                             bool(settings["norm_by_std"]))
-    advantages = {r.rollout_id: float(a) for r, a in zip(kept, adv.tolist())}
+    n_rows = torch.tensor([traces[r.rollout_id].rows for r in kept])
+    adv = row_advantages(rewards, torch.zeros(len(kept), dtype=torch.int64), n_rows,
+                         settings["advantage_level"], settings["advantage"],
+                         bool(settings["norm_by_std"]))
+    # every row of a rollout gets the same value at either level: its first row's stands for the rollout
+    first = (torch.cumsum(n_rows, 0) - n_rows).tolist()
+    advantages = {r.rollout_id: float(adv[i]) for r, i in zip(kept, first)}
     signal = "signal" if any(abs(a) > 0 for a in advantages.values()) else "equal rewards"
     return {"advantages": advantages, "signal": signal, "kept": len(kept)}
 
