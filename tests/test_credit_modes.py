@@ -92,6 +92,7 @@ def test_build_batch_at_row_level():
     assert [r.rollout_id for r in rows] == ["a", "a", "b"]
     assert adv == pytest.approx([1 / 3 ** 0.5, 1 / 3 ** 0.5, -2 / 3 ** 0.5], rel=1e-5)
     assert stats["adv_abs_mean"] == pytest.approx((1 / 3 ** 0.5 + 2 / 3 ** 0.5) / 2, rel=1e-5)  # per rollout
+    assert stats["rollouts_trained"] == 2 and stats["multi_row_rollouts"] == 1
     _, adv, _, _ = asyncio.run(build_batch(_Calls(calls), rollouts, TrainConfig()))
     assert adv == pytest.approx([0.7071068, 0.7071068, -0.7071068], rel=1e-5)
 

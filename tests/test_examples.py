@@ -210,3 +210,70 @@ async def test_example_on_real_engine(example, services, tool_engine, redis_url,
         assert all(c.model_version == 0 for c in calls)
         assert sent_tools(calls[0]), calls[0].request  # the agent's tools went to the engine
     assert succeeded >= 1
+
+
+# ------------------------------------------------------------------ the multi-call team (examples/arithmetic/team.py)
+#: question word → the replies (N: the right answer), in call order, the scripted engine gives the team's agents
+TEAM_SCRIPT = {
+    "apples": ["{N}"],                                          # a bare number: final, 1 call
+    "birds": ["Let me think.", "It is {N} birds.", "{N}"],      # no number → retry → checker: 3 calls
+    "pages": ["The answer is {W}.", "I get {N}."],              # solver wrong, the checker corrects: 2 calls
+    "coins": ["Hmm.", "Hmm, well.", "I am not sure."],          # three replies without a number: 3 calls, no check
+}
+TEAM_CALLS = {"apples": 1, "birds": 3, "pages": 2, "coins": 3}
+TEAM_REWARD = {"apples": 1.0, "birds": 1.0, "pages": 1.0, "coins": 0.0}
+
+
+def problems_with(words: list[str]) -> list[dict]:
+    """One held-out problem whose question holds each word."""
+    from agl_trainer.loop import load_tasks
+
+    held = load_tasks(TASK_FILE, "heldout_problems")
+    return [next(p for p in held if w in p["question"]) for w in words]
+
+
+def team_reply(answers: dict[str, int]):
+    """The script's replies, by the problem's key word and the number of answers its agent has given so far."""
+    def reply(body: dict) -> str:
+        messages = body.get("messages", [])
+        text = " ".join(_text(m.get("content")) for m in messages)
+        key = next(k for k in TEAM_SCRIPT if k in text)
+        script = TEAM_SCRIPT[key]
+        if "check a student's answer" in _text(messages[0].get("content")):
+            line = script[-1]
+        else:
+            line = script[sum(m.get("role") == "assistant" for m in messages)]
+        return line.format(N=answers[key], W=answers[key] + 1)
+    return reply
+
+
+async def test_team_agent_calls_vary_and_reward_comes_at_the_end(services, redis_url, prefix, store, tmp_path):
+    """The team's flow through a real gateway and controller on a scripted engine: 1 to 3 calls by what the
+    replies hold, the checker in a conversation of its own, the reward from the final answer only."""
+    from agl_trainer.aggregate import build_rows
+
+    inputs = problems_with(list(TEAM_SCRIPT))
+    answers = {w: p["answer"] for w, p in zip(TEAM_SCRIPT, inputs)}
+    app = fake_upstream(reply=team_reply(answers), model=MODEL)
+    log_dir = tmp_path / "runs"
+    with Served(app) as up:
+        gw = services.start_gateway(up.url, redis_url, prefix, MODEL)
+        try:
+            services.start_controller(f"{sys.executable} {ROOT / 'examples' / 'arithmetic' / 'team.py'}", gw,
+                                      redis_url, prefix, MODEL, concurrency=4, timeout_s=120, log_dir=log_dir)
+            rollouts = await run_rollouts(store, inputs, 1, "team", 150)
+        finally:
+            services.stop("controller")
+            services.stop("gateway")
+    assert len(rollouts) == len(TEAM_SCRIPT)
+    for r in rollouts:
+        word = next(k for k in TEAM_SCRIPT if k in r.input["question"])
+        context = harness_logs(log_dir, r.rollout_id)
+        assert r.status == RolloutStatus.succeeded, f"{r.failure}\n{context}"
+        calls = await store.read_calls(r.rollout_id)
+        check_calls(calls, "chat", context)
+        assert len(calls) == TEAM_CALLS[word], (word, context)
+        checked = "check a student's answer" in _text(calls[-1].request["messages"][0]["content"])
+        assert checked == (word in ("birds", "pages")), (word, context)
+        assert r.reward == TEAM_REWARD[word], (word, r.input, context)
+        assert build_rows(calls)  # every rollout gives a training row

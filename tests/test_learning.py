@@ -203,6 +203,34 @@ def test_bench_learning_reads_finished_runs(tmp_path):
     assert "no summary.json" in out.stderr and png.stat().st_size > 1000
 
 
+def test_bench_ablation_reads_finished_runs(tmp_path):
+    """bench/ablation.py --runs: each run's arm from its config, per-arm mean ± standard error, the multi-row
+    share, a PNG with accuracy and entropy against minutes."""
+    runs = []
+    for k, (arm, fields, seed, b, a) in enumerate([
+            ("rollout", {}, 0, 0.1, 0.5), ("rollout", {}, 1, 0.1, 0.3),
+            ("sample", {"advantage_level": "row", "loss_agg_mode": "seq-mean-token-mean"}, 0, 0.1, 0.2)]):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        curve = [{"minutes": 0.0, "step": 0, "when": "before", "accuracy": b, "n": 256, "subset_accuracy": b},
+                 {"minutes": 2.0, "step": 2, "when": "after", "accuracy": a, "n": 256, "subset_accuracy": a}]
+        (d / "summary.json").write_text(json.dumps({
+            "run_dir": str(d), "seed": seed, "heldout_before": b, "heldout_after": a, "heldout_n": 256,
+            "train_minutes": 2.0, "steps": 2, "curve": curve, "hardware": {"model": "Some CPU"}}))
+        (d / "config.json").write_text(json.dumps({"seed": seed, **fields}))
+        steps = [{"step": i, "reward_mean": 0.2, "step_s": 60.0, "entropy": 1.5 - 0.1 * i, "rollouts_trained": 60,
+                  "multi_row_rollouts": 20} for i in (1, 2)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in steps) + "\n")
+        runs.append(str(d))
+    png = tmp_path / "ablation.png"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ablation.py"), "--runs", *runs, "--png", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rollout: 2 seed(s), held-out 0.100 ± 0.000 → 0.400 ± 0.100, gain +0.300 ± 0.100" in out.stdout
+    assert "sample: 1 seed(s)" in out.stdout and "gain +0.100 ± 0.000" in out.stdout
+    assert "40/120" in out.stdout and "Some CPU" in out.stdout and png.stat().st_size > 1000
+
+
 def test_piped_cli_prints_no_progress_bars():
     """Output to a pipe: the entry point switches tqdm off before anything imports it (a bar redrawn with ``\\r``
     would land in a log as one huge line, as the GGUF conversion's did)."""

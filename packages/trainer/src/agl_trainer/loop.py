@@ -121,6 +121,9 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
 
     ``decode`` (token ids → text) and ``eos_token_ids`` go to :func:`build_rows` (merge-break classes).
     ``calls``: the rollouts' call records already read (rollout id → records); read from ``store`` if absent.
+
+    Returns ``(rows, row advantages, aggregation stats, stats)``; ``stats``: ``adv_abs_mean`` (mean |A| over the
+    rollouts), ``rollouts_trained`` (rollouts that gave a row) and ``multi_row_rollouts`` (those with several).
     """
     stats = AggregateStats()
     per_rollout: list[tuple[Rollout, list[Row]]] = []
@@ -140,7 +143,9 @@ async def build_batch(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
                          n_rows, cfg.advantage_level, cfg.advantage, cfg.norm_by_std)
     rows = [row for _, rs in per_rollout for row in rs]
     first = torch.cumsum(n_rows, 0) - n_rows  # each rollout's first row: its rows share one value at either level
-    return rows, adv.tolist(), stats, {"adv_abs_mean": float(adv[first].abs().mean())}
+    return rows, adv.tolist(), stats, {"adv_abs_mean": float(adv[first].abs().mean()),
+                                       "rollouts_trained": len(per_rollout),
+                                       "multi_row_rollouts": int((n_rows > 1).sum())}
 
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
