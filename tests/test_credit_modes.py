@@ -135,3 +135,4 @@ def test_cpu_backend_reports_the_policy_entropy_on_sampled_tokens(tiny_model, tm
     stats = b.update(rows, adv)  # one optimizer step: every micro-batch sees the policy before it
     assert stats["entropy"] == pytest.approx(total / count, rel=1e-4)
     assert 0 < stats["entropy"] < math.log(64)
+

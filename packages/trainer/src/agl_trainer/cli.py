@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -46,10 +45,10 @@ def _store(redis: str, prefix: str):
 
 
 def _sigterm_as_interrupt() -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt
+    """Ctrl-C and SIGTERM stop the run, also in the middle of an update (:mod:`agl_trainer.interrupt`)."""
+    from .interrupt import install
 
-    signal.signal(signal.SIGTERM, handler)
+    install()
 
 
 LoggerOpt = typer.Option(None, "--logger", help="experiment tracker (repeatable, or comma-separated): console, "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import interrupt
 from ..aggregate import Row
 from ..loss import ppo_loss, token_weights, truncated_is_weights
 from ..minibatch import plan_mini_batches
@@ -149,6 +150,7 @@ class CpuBackend:
         self.model.eval()
         out: list[list[float]] = [[] for _ in rows]
         for mb in self._micro_batches(list(range(len(rows))), rows):
+            interrupt.check()
             lp, _, _ = self._response_logprobs([rows[i] for i in mb])
             for j, i in enumerate(mb):
                 out[i] = lp[j, : len(rows[i].response_ids)].tolist()
@@ -169,6 +171,7 @@ class CpuBackend:
         self.model.eval()
         total, count = 0.0, 0.0
         for mb in self._micro_batches(list(range(len(rows))), rows):
+            interrupt.check()
             batch = [rows[i] for i in mb]
             lp, mask, _ = self._response_logprobs(batch)
             with self.model.disable_adapter():
@@ -201,6 +204,9 @@ class CpuBackend:
             from the update's own forward passes), ``kl`` (:meth:`kl_to_base` on up to ``kl_sample_rows`` rows, after the update), ``train_tokens`` (sampled tokens trained on),
             ``updates`` (optimizer steps), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
             ``update_s`` (seconds).
+        Raises:
+            KeyboardInterrupt: Ctrl-C or SIGTERM (:mod:`agl_trainer.interrupt`), checked before each micro-batch:
+                the optimizer step of the mini-batch under way is not taken.
         """
         t0 = time.perf_counter()
         self.model.train()
@@ -245,6 +251,7 @@ class CpuBackend:
         total = 0.0
         order = sorted(batch, key=lambda i: -len(rows[i].response_ids))
         for mb in self._micro_batches(order, rows):
+            interrupt.check()  # Ctrl-C / SIGTERM: stop within one micro-batch, before the optimizer step
             mb_rows = [rows[i] for i in mb]
             lp, mask, ent = self._response_logprobs(mb_rows, entropy=True)
             entropy[0] += float((ent * mask).sum())
