@@ -85,6 +85,17 @@ def test_policy_resolution(tmp_path):
     assert resolve_policy(str(p.adapter), cfg).model == "policy-v2"
     with pytest.raises(PolicyNotFound, match="not base, vN, or a directory"):
         resolve_policy(str(tmp_path), cfg)
+    other = tmp_path / "my-adapter"  # an adapter directory of another name serves as eval-<name>, version 0
+    other.mkdir()
+    (other / "adapter_config.json").write_text("{}")
+    assert (resolve_policy(str(other), cfg).model, resolve_policy(str(other), cfg).version) == ("eval-my-adapter", 0)
+
+
+def test_one_policy_name():
+    from agl_common.schemas import policy_name, policy_version
+
+    assert policy_name(3) == "policy-v3" and policy_version("policy-v3") == 3
+    assert [policy_version(n) for n in ("smollm2", "policy-v", "policy-v3x", "eval-policy-v3")] == [None] * 4
 
 
 TASKS = '''

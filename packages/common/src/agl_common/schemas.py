@@ -203,3 +203,15 @@ class Policy(BaseModel):
 
     model: str
     version: PolicyVersion = 0
+
+
+def policy_name(version: int) -> str:
+    """The name policy ``version`` is served and stored under when it is not the base model: ``policy-v{N}``
+    (a LoRA adapter's served name, its directory under a run's ``adapters/``)."""
+    return f"policy-v{version}"
+
+
+def policy_version(name: str) -> int | None:
+    """The version in a :func:`policy_name` (``policy-v3`` → 3), None for any other name."""
+    m = re.fullmatch(r"policy-v(\d+)", name)
+    return int(m[1]) if m else None

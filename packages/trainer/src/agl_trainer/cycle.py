@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
+from agl_common.schemas import policy_name
 from agl_common.settings import engine_base_urls
 from agl_common.store import Store
 
@@ -75,7 +76,7 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
     agents are never left held by a crashed trainer.
     """
     t0 = time.perf_counter()
-    name = f"policy-v{version}"
+    name = policy_name(version)
     pause = new_pause_id()
     try:  # the pause inside: a drain that fails or is cancelled ends resumed too
         replicas = await pause_and_drain(store, pause, timeout_s=drain_timeout_s)
@@ -88,7 +89,7 @@ async def collocated_update(store: Store, engine_url: str, version: int, update:
         raise
     await resume(store, model=name, version=version, release=pause)
     if version > 1:
-        await unload_adapter(engine_url, f"policy-v{version - 1}")
+        await unload_adapter(engine_url, policy_name(version - 1))
     t_end = time.perf_counter()
     return {**stats, "drain_s": t_drained - t0, "cycle_s": t_end - t0, "replicas": len(replicas),
             "in_flight_at_pause": sum(r.in_flight for r in replicas)}

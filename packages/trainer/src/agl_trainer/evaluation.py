@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from agl_common.schemas import policy_name, policy_version
 from rich.console import Console
 from rich.table import Table
 
@@ -49,7 +50,8 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
     if spec == "base":
         return EvalPolicy(cfg.model_name, 0)
     if m := re.fullmatch(r"v(\d+)", spec):
-        version, name = int(m[1]), f"policy-v{m[1]}"
+        version = int(m[1])
+        name = policy_name(version)
         runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
                                                       key=lambda p: p.name, reverse=True)
         for run in runs:
@@ -60,8 +62,8 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
     path = Path(spec)
     if not (path / "adapter_config.json").exists():
         raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
-    m = re.fullmatch(r"policy-v(\d+)", path.name)
-    return EvalPolicy(f"eval-{path.name}" if not m else path.name, int(m[1]) if m else 0, path.resolve())
+    version = policy_version(path.name)
+    return EvalPolicy(f"eval-{path.name}" if version is None else path.name, version or 0, path.resolve())
 
 
 def result_table(res: dict, policy: EvalPolicy) -> Table:

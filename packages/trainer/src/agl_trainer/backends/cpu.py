@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from agl_common.schemas import policy_name
 
 from .. import interrupt
 from ..aggregate import Row
@@ -297,7 +298,7 @@ class CpuBackend:
 
     def save(self, version: int) -> Path:
         """Write the adapter of policy ``version`` (PEFT ``save_pretrained``) and return its directory."""
-        path = self.out_dir / f"policy-v{version}"
+        path = self.out_dir / policy_name(version)
         self.model.save_pretrained(path)
         return path
 
@@ -326,7 +327,7 @@ class CpuBackend:
         the directory."""
         from safetensors.torch import save_file
 
-        path = self.out_dir / "merged" / f"policy-v{version}"
+        path = self.out_dir / "merged" / policy_name(version)
         path.mkdir(parents=True, exist_ok=True)
         save_file(self.merged_weights(), str(path / "model.safetensors"), metadata={"format": "pt"})
         return path
@@ -356,7 +357,7 @@ class CpuBackend:
             return await self._reload(version)
         if version == 0:
             return self.model_name
-        return await self._load(version, self.out_dir / f"policy-v{version}")
+        return await self._load(version, self.out_dir / policy_name(version))
 
     async def _reload(self, version: int) -> str:
         import asyncio
@@ -374,7 +375,7 @@ class CpuBackend:
 
         if not self.engine_url:
             raise ValueError("CpuBackend has no engine_url to load adapters into")
-        name = f"policy-v{version}"
+        name = policy_name(version)
         await load_adapter(self.engine_url, name, path)
         return name
 
@@ -388,6 +389,6 @@ class CpuBackend:
         if version < 1:
             return
         if self.serving == "merged":
-            shutil.rmtree(self.out_dir / "merged" / f"policy-v{version}", ignore_errors=True)
+            shutil.rmtree(self.out_dir / "merged" / policy_name(version), ignore_errors=True)
         elif self.engine_url:
-            await unload_adapter(self.engine_url, f"policy-v{version}")
+            await unload_adapter(self.engine_url, policy_name(version))
