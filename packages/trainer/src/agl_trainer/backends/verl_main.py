@@ -39,7 +39,7 @@ def _trainer(cfg, ranks: int, run_dir: Path, loop, cpu: bool):
     from ..model import ensure_base_model
     from .verl_trainer import build_trainer, compose_config, initial_adapter, verl_overrides
 
-    base = ensure_base_model()
+    base = ensure_base_model(cfg.base_model)
     adapter = initial_adapter(base, run_dir / "adapters" / "initial", cfg.lora_rank, cfg.lora_alpha, cfg.seed)
     overrides = verl_overrides(
         base, ranks=ranks, lr=cfg.lr, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
