@@ -72,9 +72,21 @@ def _with_loggers(cfg, loggers: list[str] | None):
     return cfg
 
 
+def _check_task(cfg) -> None:
+    """The config's task file and functions are usable (one line and exit 2 if not), before anything starts."""
+    from .loop import TaskError, check_task
+
+    try:
+        check_task(cfg)
+    except TaskError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .run import run_training
 
+    _check_task(cfg)
     _sigterm_as_interrupt()
     try:
         run_training(cfg, console, resume_dir)
@@ -130,6 +142,7 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     from .loop import new_run_id
     from .model import ensure_base_model
 
+    _check_task(cfg)
     py = verl_python()
     if py is None:
         err.print("[red]no verl environment[/red]: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "
@@ -199,6 +212,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
 
     cfg = _with_loggers(_load_config(config), logger)
+    _check_task(cfg)
     if n < 1:
         err.print(f"[red]--n must be at least 1[/red], got {n}")
         raise typer.Exit(2)

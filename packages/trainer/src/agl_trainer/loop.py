@@ -44,22 +44,39 @@ from .trackers import Trackers
 from .evalstats import accuracy, eval_stats, reward_mean
 
 
+class TaskError(ValueError):
+    """The task file or one of its functions cannot be used; the message says which and why."""
+
+
 def _task_module(task_file: str | Path):
+    """Import ``task_file``. Raises :class:`TaskError` if it is missing or fails to import."""
     path = Path(task_file)
-    if not path.exists():
-        raise FileNotFoundError(f"task file {path} not found (run from the repository root?)")
+    if not path.is_file():
+        raise TaskError(f"task file {path} not found (run from the repository root?)")
     spec = importlib.util.spec_from_file_location(f"agl_task_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any error of the user's file, reported as theirs
+        raise TaskError(f"task file {path} failed to import: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _task_function(module, task_file: str | Path, fn: str) -> Callable:
+    f = getattr(module, fn, None)
+    if not callable(f):
+        known = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise TaskError(f"task file {task_file} has no function {fn!r} (its functions: {', '.join(known) or 'none'})")
+    return f
 
 
 def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
     """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
 
-    Raises ``FileNotFoundError`` if the file is missing, ``AttributeError`` if ``fn`` is not in it.
+    Raises :class:`TaskError` if the file is missing or fails to import, or has no function ``fn``.
     """
-    return list(getattr(_task_module(task_file), fn)())
+    return list(_task_function(_task_module(task_file), task_file, fn)())
 
 
 def default_is_correct(task: dict, reward: float | None) -> bool:
@@ -68,9 +85,22 @@ def default_is_correct(task: dict, reward: float | None) -> bool:
 
 
 def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Callable[[dict, float | None], bool]:
-    """The task's own notion of a solved input, ``fn(task, reward) -> bool`` from ``task_file`` (its
-    ``is_correct`` by default), or :func:`default_is_correct` if the file has none."""
-    return getattr(_task_module(task_file), fn or "is_correct", default_is_correct)
+    """The task's own notion of a solved input, ``fn(task, reward) -> bool`` from ``task_file``: its
+    ``is_correct`` by default, or :func:`default_is_correct` if the file has none. Another name that is not
+    in the file raises :class:`TaskError` (a misspelt name never falls back silently)."""
+    module = _task_module(task_file)
+    if (fn or "is_correct") == "is_correct" and not callable(getattr(module, "is_correct", None)):
+        return default_is_correct
+    return _task_function(module, task_file, fn)
+
+
+def check_task(cfg: TrainConfig) -> None:
+    """Before any service starts: the task file imports and has ``cfg.train_fn``, ``cfg.heldout_fn`` and
+    ``cfg.correct_fn`` (unless that is the default ``is_correct`` and absent). Raises :class:`TaskError`."""
+    module = _task_module(cfg.task_file)
+    for fn in (cfg.train_fn, cfg.heldout_fn):
+        _task_function(module, cfg.task_file, fn)
+    load_is_correct(cfg.task_file, cfg.correct_fn)
 
 
 async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
