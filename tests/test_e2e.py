@@ -45,7 +45,7 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     from agl_trainer.aggregate import AggregateStats, build_rows
     from agl_trainer.backends.cpu import CpuBackend
     from agl_trainer.config import TrainConfig
-    from agl_trainer.cycle import collocated_update
+    from agl_trainer.cycle import backend_cycle
     from agl_trainer.loop import build_batch, create_rollouts, select_groups, wait_terminal
 
     monkeypatch.chdir(ROOT)
@@ -101,7 +101,8 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
         row_adv = [1.0 if i % 2 else -1.0 for i in range(len(rows))]
     fixed = rows[:1]
     before = backend.logprobs(fixed)[0]
-    stats = await collocated_update(store, engine, 1, lambda: backend.update(rows, row_adv), backend.save)
+    backend.engine_url, backend.serving = engine, "adapter"  # served as the LoRA policy-v1, hot-loaded
+    stats = await backend_cycle(store, backend, 1, rows, row_adv)
     after = backend.logprobs(fixed)[0]
     assert stats["replicas"] == 1 and stats["drain_s"] >= 0
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3

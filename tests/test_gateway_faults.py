@@ -115,7 +115,17 @@ async def test_overlapping_pauses_have_owners(store, redis_url, prefix, upstream
 
 
 async def test_collocated_cycle_resumes_when_the_drain_times_out(store, redis_url, prefix, upstream):
-    from agl_trainer.cycle import collocated_update
+    from agl_trainer.cycle import backend_cycle
+
+    class NoUpdate:  # a drain that failed must never reach the backend
+        def update(self, rows, advantages):
+            raise AssertionError("updated after a failed drain")
+
+        async def publish(self, version):
+            raise AssertionError("published after a failed drain")
+
+        async def retire(self, version):
+            raise AssertionError("retired after a failed drain")
 
     await make_rollout(store)
     with gateway(redis_url, prefix, upstream.url, max_hold=60) as gw:
@@ -125,8 +135,7 @@ async def test_collocated_cycle_resumes_when_the_drain_times_out(store, redis_ur
             while not upstream.app.state.calls:
                 await asyncio.sleep(0.02)
             with pytest.raises(DrainTimeout):
-                await collocated_update(store, upstream.url, 1, dict, lambda v: Path("/nonexistent"),
-                                        drain_timeout_s=0.2)
+                await backend_cycle(store, NoUpdate(), 1, [], [], drain_timeout_s=0.2)
             assert (await asyncio.wait_for(c.post(url, json=MSG), 30)).status_code == 200
             await slow
     assert (await store.last_control()).cmd == "resume"

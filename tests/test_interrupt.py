@@ -26,8 +26,9 @@ def test_a_stop_request_ends_an_update_before_its_optimizer_step(tiny_model, tmp
 
 
 def test_sigterm_stops_a_process_whose_update_runs_in_a_worker_thread(tmp_path):
-    """The run's shape: asyncio.run awaiting work in asyncio.to_thread. Without the shared stop request the
-    process would only exit when the worker's 120 s of work ended (asyncio.run waits for its threads)."""
+    """The run's shape: asyncio.run awaiting work on the torch thread (agl_trainer.compute). Without the shared
+    stop request the process would only exit when the worker's 120 s of work ended (the interpreter joins
+    executor threads at exit)."""
     import signal
     import subprocess
     import sys
@@ -36,7 +37,7 @@ def test_sigterm_stops_a_process_whose_update_runs_in_a_worker_thread(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(
         "import asyncio, time\n"
-        "from agl_trainer import interrupt\n"
+        "from agl_trainer import compute, interrupt\n"
         "def work():\n"
         "    end = time.monotonic() + 120\n"
         "    while time.monotonic() < end:\n"
@@ -45,7 +46,7 @@ def test_sigterm_stops_a_process_whose_update_runs_in_a_worker_thread(tmp_path):
         "interrupt.install()\n"
         "print('ready', flush=True)\n"
         "try:\n"
-        "    asyncio.run(asyncio.to_thread(work))\n"
+        "    asyncio.run(compute.run(work))\n"
         "except KeyboardInterrupt:\n"
         "    print('interrupted', flush=True)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

@@ -72,12 +72,12 @@ def _with_loggers(cfg, loggers: list[str] | None):
     return cfg
 
 
-def _check_task(cfg) -> None:
+def _check_task(cfg, train: bool = True) -> None:
     """The config's task file and functions are usable (one line and exit 2 if not), before anything starts."""
     from .loop import TaskError, check_task
 
     try:
-        check_task(cfg)
+        check_task(cfg, train)
     except TaskError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -212,7 +212,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
 
     cfg = _with_loggers(_load_config(config), logger)
-    _check_task(cfg)
+    _check_task(cfg, train=False)
     if n < 1:
         err.print(f"[red]--n must be at least 1[/red], got {n}")
         raise typer.Exit(2)

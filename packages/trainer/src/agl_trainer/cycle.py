@@ -1,23 +1,24 @@
-"""The collocated update cycle: pause → drained → update → load → resume.
+"""The collocated update cycle: pause → drained → update → publish → resume (:func:`backend_cycle`), and the
+engine routes a backend publishes through (LoRA hot-load and unload, in-place weight reload).
 
 The engine and the trainer share the same cores (or GPUs): while the policy is updated, the gateway
-holds new calls and the engine is idle. After the update the new LoRA adapter is hot-loaded into vLLM
-under the name ``policy-v{N}`` and the gateway is resumed with that name, so every call from then on is
-served (and recorded) by version N.
+holds new calls and the engine is idle. After the update the backend makes the engine serve the new policy
+(merged weights reloaded in place under the base name, or the adapter hot-loaded as ``policy-v{N}``) and the
+gateway is resumed with that name and version, so every call from then on is served (and recorded) by version N.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
-from agl_common.schemas import policy_name
 from agl_common.settings import engine_base_urls
 from agl_common.store import Store
+
+from . import compute
 
 
 class EngineError(RuntimeError):
@@ -67,34 +68,6 @@ async def unload_adapter(engine_url: str, name: str) -> None:
                 raise EngineError(f"unloading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
 
 
-async def collocated_update(store: Store, engine_url: str, version: int, update: Callable[[], dict],
-                            save: Callable[[int], Path], drain_timeout_s: float = 120.0) -> dict[str, float]:
-    """Run one collocated cycle and return its timings (seconds) merged with ``update``'s stats.
-
-    ``update()`` runs the optimizer step (in a worker thread); ``save(version)`` writes the adapter.
-    If anything fails from the pause on (the drain timing out included), the gateway is resumed on the *old* policy before re-raising, so
-    agents are never left held by a crashed trainer.
-    """
-    t0 = time.perf_counter()
-    name = policy_name(version)
-    pause = new_pause_id()
-    try:  # the pause inside: a drain that fails or is cancelled ends resumed too
-        replicas = await pause_and_drain(store, pause, timeout_s=drain_timeout_s)
-        t_drained = time.perf_counter()
-        stats = await asyncio.to_thread(update)
-        path = await asyncio.to_thread(save, version)
-        await load_adapter(engine_url, name, path)
-    except BaseException:
-        await resume(store, release=pause)
-        raise
-    await resume(store, model=name, version=version, release=pause)
-    if version > 1:
-        await unload_adapter(engine_url, policy_name(version - 1))
-    t_end = time.perf_counter()
-    return {**stats, "drain_s": t_drained - t0, "cycle_s": t_end - t0, "replicas": len(replicas),
-            "in_flight_at_pause": sum(r.in_flight for r in replicas)}
-
-
 async def backend_cycle(store: Store, backend, version: int, rows: list, row_advantages: list[float],
                         drain_timeout_s: float = 120.0) -> dict:
     """One collocated cycle against any backend (:class:`agl_trainer.backends.Backend`); returns timings
@@ -114,7 +87,7 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
     events.append(["drained", time.time()])
     t_drained = time.perf_counter()
     try:
-        stats = await asyncio.to_thread(backend.update, rows, row_advantages)
+        stats = await compute.run(backend.update, rows, row_advantages)  # the run's one torch thread
         t_update = time.perf_counter()
         model = await backend.publish(version)
     except BaseException:

