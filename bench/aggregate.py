@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput of ``agl_trainer.aggregate.build_rows`` on long multi-call rollouts (synthetic, seeded).
+"""Throughput of ``agl_trainer.algorithm.aggregate.build_rows`` on long multi-call rollouts (synthetic, seeded).
 
 Each synthetic rollout is one attempt of ``--calls`` calls that merge exactly: call ``k``'s prompt is
 call ``k-1``'s prompt + response + ``--context-tokens`` new context tokens (template newline, a tool
@@ -26,7 +26,7 @@ import random
 import time
 
 from agl_common.schemas import CallRecord
-from agl_trainer.aggregate import AggregateStats, build_rows
+from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
 
 IM_END = 2
 

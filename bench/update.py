@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def demo_rows(n: int, prompt: int, reply: int, vocab: int, seed: int = 0):
-    from agl_trainer.aggregate import Row
+    from agl_trainer.algorithm.aggregate import Row
 
     rng = random.Random(seed)
     rows = []

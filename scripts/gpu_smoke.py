@@ -18,7 +18,7 @@ missing), with its timings; the script goes on after a failure and exits 1 if an
 - ``actor``: the same through verl: ``rows_to_batch`` → ``DataProto`` → ``agl_per_rollout`` from verl's
   policy-loss registry (needs verl).
 - ``loop``: AGL's run loop driving verl's ``RayPPOTrainer`` with verl's vLLM rollout through AGL's gateway
-  (``python -m agl_trainer.backends.verl_main --gpu``), 2 steps of 2 groups × 2 rollouts on a tiny random
+  (``python -m agl_trainer.backends.verl.main --gpu``), 2 steps of 2 groups × 2 rollouts on a tiny random
   model (``--model DIR`` for a real one). Checks: chat calls answered through the gateway and recorded with
   token ids and logprobs; ``sleep_replicas`` frees GPU memory; the first PPO ratio within 1e-2 of 1; the
   engine's logprobs of an earlier call change after ``update_weights(1)``; calls after the resume recorded
@@ -106,7 +106,7 @@ def _generate(model, tok, prompt_ids: list[int], device: str, max_new: int = 12)
 
 
 def _row(rollout_id, prompt_ids, response_ids, response_mask):
-    """An ``agl_trainer.aggregate.Row``-like object (aggregate itself needs agl_common, not installed here)."""
+    """An ``agl_trainer.algorithm.aggregate.Row``-like object (aggregate itself needs agl_common, not installed here)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(rollout_id=rollout_id, prompt_ids=list(prompt_ids), response_ids=list(response_ids),
@@ -116,8 +116,8 @@ def _row(rollout_id, prompt_ids, response_ids, response_mask):
 
 def _sample_rollouts(model, tok, device: str, groups: int = 3, n: int = 4):
     import torch
-    from agl_trainer.advantage import grpo_advantages
-    from agl_trainer.backends.verl import rows_to_batch
+    from agl_trainer.algorithm.advantage import grpo_advantages
+    from agl_trainer.backends.verl.adapter import rows_to_batch
 
     ctx = tok(CHECK_TURN, add_special_tokens=False)["input_ids"]
     rows, rollout_rows, rewards, group_of = [], [], [], {}
@@ -160,7 +160,7 @@ def _sample_rollouts(model, tok, device: str, groups: int = 3, n: int = 4):
 # ----------------------------------------------------------------------------------------- stages
 def stage_actor(device: str, steps: int = 3) -> dict:
     import torch
-    from agl_trainer.backends.verl import VERL_LOSS_NAME, register_verl_loss, to_dataproto
+    from agl_trainer.backends.verl.adapter import VERL_LOSS_NAME, register_verl_loss, to_dataproto
     from verl.workers.config import ActorConfig
 
     t0 = time.perf_counter()
@@ -208,7 +208,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 PLUGIN_PY = '''
 import sys
 sys.path.insert(0, {src!r})
-from agl_trainer.backends.verl import register_verl_loss
+from agl_trainer.backends.verl.adapter import register_verl_loss
 register_verl_loss()
 '''
 
@@ -293,7 +293,7 @@ def stage_maths(device: str) -> dict:
     """AGL's own update maths on ``device`` without verl: per-rollout GRPO advantages, ``ppo_loss`` with
     per-rollout weights, 3 AdamW steps of a tiny model on sampled rollouts; first ratio 1, weights move."""
     import torch
-    from agl_trainer.loss import per_rollout_token_weights, ppo_loss
+    from agl_trainer.algorithm.loss import per_rollout_token_weights, ppo_loss
 
     t0 = time.perf_counter()
     model, tok = make_model(device)
@@ -342,7 +342,7 @@ def heldout_problems():
 
 def stage_loop(work: Path, model_dir: Path | None, timeout_s: int = 540) -> dict:
     """AGL's run loop driving verl's RayPPOTrainer on one GPU with verl's vLLM rollout, through AGL's
-    gateway (``python -m agl_trainer.backends.verl_main --gpu``), 2 steps of 2 groups × 2 rollouts."""
+    gateway (``python -m agl_trainer.backends.verl.main --gpu``), 2 steps of 2 groups × 2 rollouts."""
     import shutil
 
     t0 = time.perf_counter()
@@ -369,7 +369,7 @@ def stage_loop(work: Path, model_dir: Path | None, timeout_s: int = 540) -> dict
     run_dir = work / "run"
     log = work / "verl_main.log"
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, "-m", "agl_trainer.backends.verl_main", str(work / "config.yaml"),
+        proc = subprocess.run([sys.executable, "-m", "agl_trainer.backends.verl.main", str(work / "config.yaml"),
                                "--run-dir", str(run_dir), "--gpu"], stdout=f, stderr=subprocess.STDOUT, env=env,
                               timeout=timeout_s, cwd=ROOT)
     out: dict = {"stage": "loop", "returncode": proc.returncode, "log": str(log)}

@@ -8,17 +8,17 @@ messages so far, response ids = what the engine sampled (ending with ``<|im_end|
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import torch
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
-from agl_trainer.advantage import grpo_advantages
-from agl_trainer.aggregate import AggregateStats, build_rows, classify_break, end_of_turn_ids, first_difference
+from agl_trainer.algorithm.advantage import grpo_advantages
+from agl_trainer.algorithm.aggregate import AggregateStats, build_rows, classify_break, first_difference
+from agl_trainer.model import end_of_turn_ids
 from agl_trainer.config import TrainConfig
-from agl_trainer.loop import build_batch
-from agl_trainer.loss import per_rollout_token_weights, ppo_loss
+from agl_trainer.algorithm.batch import build_batch
+from agl_trainer.algorithm.loss import per_rollout_token_weights, ppo_loss
 
 IM_END, NEWLINE = 2, 198
 SYSTEM = [{"role": "user", "content": "What is 2+3?"}]
@@ -173,13 +173,6 @@ def test_tool_call_rerendered_with_other_spacing_is_a_break(tok):
 
 
 # (4) a rollout split into several rows counts once in its group and weighs as much as a one-row rollout
-class _Calls:
-    def __init__(self, calls: dict[str, list[CallRecord]]):
-        self.calls = calls
-
-    async def read_calls(self, rollout_id, attempt_id=None):
-        return self.calls[rollout_id]
-
 
 def test_multi_row_rollout_counts_once(tok):
     text = "The answer is 5."
@@ -191,7 +184,7 @@ def test_multi_row_rollout_counts_once(tok):
     rewards = {"a": 1.0, "b": 0.0, "c": 0.0}
     rollouts = [Rollout(rollout_id=r, status=RolloutStatus.succeeded, reward=v, group_id="g")
                 for r, v in rewards.items()]
-    rows, row_adv, stats, _ = asyncio.run(build_batch(_Calls(calls), rollouts, TrainConfig(), tok.decode, {IM_END}))
+    rows, row_adv, stats, _ = build_batch(rollouts, calls, TrainConfig(), tok.decode, {IM_END})
     assert [r.rollout_id for r in rows] == ["a", "a", "b", "c"] and stats.merge_breaks == 1
     # the group statistics see 3 rollouts (not 4 rows): A = (r - 1/3) / std([1, 0, 0])
     expected = grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0])).tolist()

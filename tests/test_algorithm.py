@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 import torch
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
-from agl_trainer.advantage import grpo_advantages, rloo_advantages, rollout_advantages
-from agl_trainer.aggregate import AggregateStats, build_rows
+from agl_trainer.algorithm.advantage import grpo_advantages, rloo_advantages, rollout_advantages
+from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
 from agl_trainer.config import TrainConfig
-from agl_trainer.loop import build_batch
-from agl_trainer.loss import per_rollout_token_weights, ppo_loss
+from agl_trainer.algorithm.batch import build_batch
+from agl_trainer.algorithm.loss import per_rollout_token_weights, ppo_loss
 
 
 def call(seq, prompt, response, logprobs=None, rid="r", status="ok"):
@@ -135,15 +134,6 @@ def test_multi_row_rollout_counts_once_in_group_and_loss():
     assert not math.isnan(w.sum().item())
 
 
-class _Calls:
-    """Stands in for the Store in ``build_batch``: the recorded calls of each rollout."""
-
-    def __init__(self, calls: dict[str, list[CallRecord]]):
-        self.calls = calls
-
-    async def read_calls(self, rollout_id, attempt_id=None):
-        return self.calls[rollout_id]
-
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_build_batch_advantage_per_rollout_broadcast_to_rows(estimator):
@@ -155,7 +145,7 @@ def test_build_batch_advantage_per_rollout_broadcast_to_rows(estimator):
     rollouts = [Rollout(rollout_id=r, status=RolloutStatus.succeeded, reward=v, group_id="g1" if r < "d" else "g2")
                 for r, v in rewards.items()]
     cfg = TrainConfig(advantage=estimator)
-    rows, row_adv, _, adv_stats = asyncio.run(build_batch(_Calls(calls), rollouts, cfg))
+    rows, row_adv, _, adv_stats = build_batch(rollouts, calls, cfg)
     assert [r.rollout_id for r in rows] == ["a", "a", "b", "c", "d", "e"]
     if estimator == "rloo":  # 3 rollouts in g1 (not 4 rows): a: 1 - (0 + .5)/2, b: 0 - .75, c: .5 - .5
         expected = [0.75, 0.75, -0.75, 0.0, -1.0, 1.0]

@@ -43,7 +43,7 @@ class RecordingBackend:
 
 def test_both_backends_have_the_interface():
     from agl_trainer.backends.cpu import CpuBackend
-    from agl_trainer.backends.verl_trainer import VerlBackend
+    from agl_trainer.backends.verl.trainer import VerlBackend
 
     for cls in (CpuBackend, VerlBackend):
         for method in ("update", "publish", "serve", "retire", "checkpoint", "restore"):

@@ -4,19 +4,18 @@ policy entropy the backend reports."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 import torch
 from agl_common.schemas import Rollout, RolloutStatus
-from agl_trainer.advantage import row_advantages
+from agl_trainer.algorithm.advantage import row_advantages
 from agl_trainer.config import TrainConfig
-from agl_trainer.loop import build_batch
-from agl_trainer.loss import ppo_loss, token_weights
+from agl_trainer.algorithm.batch import build_batch
+from agl_trainer.algorithm.loss import ppo_loss, token_weights
 from pydantic import ValidationError
 
-from test_algorithm import _Calls, call
+from test_algorithm import call
 from test_ppo_minibatch import backend, make_rows, tiny_model  # noqa: F401 - the fixture
 
 # one group: rollout 0 (reward 1) broke into 2 rows, rollout 1 (reward 0) is one row
@@ -88,12 +87,12 @@ def test_build_batch_at_row_level():
              "b": [call(0, [1, 2], [5, 5], rid="b")]}
     rollouts = [Rollout(rollout_id=r, status=RolloutStatus.succeeded, reward=v, group_id="g")
                 for r, v in {"a": 1.0, "b": 0.0}.items()]
-    rows, adv, _, stats = asyncio.run(build_batch(_Calls(calls), rollouts, TrainConfig(advantage_level="row")))
+    rows, adv, _, stats = build_batch(rollouts, calls, TrainConfig(advantage_level="row"))
     assert [r.rollout_id for r in rows] == ["a", "a", "b"]
     assert adv == pytest.approx([1 / 3 ** 0.5, 1 / 3 ** 0.5, -2 / 3 ** 0.5], rel=1e-5)
     assert stats["adv_abs_mean"] == pytest.approx((1 / 3 ** 0.5 + 2 / 3 ** 0.5) / 2, rel=1e-5)  # per rollout
     assert stats["rollouts_trained"] == 2 and stats["multi_row_rollouts"] == 1
-    _, adv, _, _ = asyncio.run(build_batch(_Calls(calls), rollouts, TrainConfig()))
+    _, adv, _, _ = build_batch(rollouts, calls, TrainConfig())
     assert adv == pytest.approx([0.7071068, 0.7071068, -0.7071068], rel=1e-5)
 
 

@@ -266,7 +266,7 @@ def check(cmd: str, out: str, work: Path, ctx: dict) -> None:
 
 def recorded_run(port: int) -> tuple[list[str], dict]:
     """Two rollouts named like a demo run's (``{run}-q{n}-g{k}-{i}``), each with one call and a reward."""
-    run = time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]  # agl_trainer.loop.new_run_id's format
+    run = time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]  # agl_trainer.run.new_run_id's format
     gw = f"http://127.0.0.1:{port}/rollouts/{run}-q0-g0-%d/attempts/0"
     post = "curl -sf -o /dev/null -H 'Content-Type: application/json' "
     lines = [f"agl-gateway serve --open --port {port}"]

@@ -42,11 +42,12 @@ def chat(url: str, **extra) -> dict:
 
 
 async def test_full_path_and_one_training_step(stack, store, base_model, tmp_path, monkeypatch):
-    from agl_trainer.aggregate import AggregateStats, build_rows
+    from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
     from agl_trainer.backends.cpu import CpuBackend
     from agl_trainer.config import TrainConfig
     from agl_trainer.cycle import backend_cycle
-    from agl_trainer.loop import build_batch, create_rollouts, select_groups, wait_terminal
+    from agl_trainer.algorithm.batch import build_batch, select_groups
+    from agl_trainer.scheduler import create_rollouts, wait_terminal
 
     monkeypatch.chdir(ROOT)
     gw, engine = stack["gateway"], stack["engine"]
@@ -96,7 +97,7 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     # 4. one collocated step: the policy changes and vLLM serves the new version through the gateway
     cfg = TrainConfig(min_group_size=2)
     kept, _ = select_groups(rollouts, cfg.min_group_size)
-    rows, row_adv, _, _ = await build_batch(store, kept, cfg)
+    rows, row_adv, _, _ = build_batch(kept, {r.rollout_id: c for r, c in zip(rollouts, calls)}, cfg)
     if not any(row_adv):  # all rewards equal in every group: give the step a signal to follow
         row_adv = [1.0 if i % 2 else -1.0 for i in range(len(rows))]
     fixed = rows[:1]

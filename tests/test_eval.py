@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from agl_trainer.cli import app
 from agl_trainer.config import TrainConfig
-from agl_trainer.evalstats import accuracy, eval_stats, pass_at_k, reward_mean
+from agl_trainer.algorithm.evalstats import accuracy, eval_stats, pass_at_k, reward_mean
 from agl_trainer.evaluation import PolicyNotFound, resolve_policy
-from agl_trainer.loop import default_is_correct
+from agl_trainer.tasks import default_is_correct
 from fakes import Served, fake_upstream
 
 pytestmark = pytest.mark.integrations

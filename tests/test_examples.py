@@ -64,7 +64,7 @@ def framework_failure(log: str) -> bool:
 
 
 def problems(n: int) -> list[dict]:
-    from agl_trainer.loop import load_tasks
+    from agl_trainer.tasks import load_tasks
 
     held = load_tasks(TASK_FILE, "heldout_problems")
     plus = [p for p in held if p["op"] == "+"]
@@ -73,7 +73,7 @@ def problems(n: int) -> list[dict]:
 
 
 async def run_rollouts(store, inputs: list[dict], n: int, tag: str, timeout_s: float):
-    from agl_trainer.loop import create_rollouts, wait_terminal
+    from agl_trainer.scheduler import create_rollouts, wait_terminal
 
     ids = await create_rollouts(store, inputs, n, tag, 0)
     return await wait_terminal(store, ids, timeout_s)
@@ -101,7 +101,7 @@ def sent_tools(call) -> list[str]:
 def test_example_config_loads(example, monkeypatch):
     """Each example's config.yaml is a valid TrainConfig whose command and task functions exist."""
     from agl_trainer.config import TrainConfig
-    from agl_trainer.loop import load_tasks
+    from agl_trainer.tasks import load_tasks
 
     monkeypatch.chdir(ROOT)  # configs name paths relative to the repository root, as `agl-trainer train` runs
     cfg = TrainConfig.from_yaml(ROOT / "examples" / example / "config.yaml")
@@ -226,7 +226,7 @@ TEAM_REWARD = {"apples": 1.0, "birds": 1.0, "pages": 1.0, "coins": 0.0}
 
 def problems_with(words: list[str]) -> list[dict]:
     """One held-out problem whose question holds each word."""
-    from agl_trainer.loop import load_tasks
+    from agl_trainer.tasks import load_tasks
 
     held = load_tasks(TASK_FILE, "heldout_problems")
     return [next(p for p in held if w in p["question"]) for w in words]
@@ -250,7 +250,7 @@ def team_reply(answers: dict[str, int]):
 async def test_team_agent_calls_vary_and_reward_comes_at_the_end(services, redis_url, prefix, store, tmp_path):
     """The team's flow through a real gateway and controller on a scripted engine: 1 to 3 calls by what the
     replies hold, the checker in a conversation of its own, the reward from the final answer only."""
-    from agl_trainer.aggregate import build_rows
+    from agl_trainer.algorithm.aggregate import build_rows
 
     inputs = problems_with(list(TEAM_SCRIPT))
     answers = {w: p["answer"] for w, p in zip(TEAM_SCRIPT, inputs)}

@@ -141,20 +141,6 @@ async def test_collocated_cycle_resumes_when_the_drain_times_out(store, redis_ur
     assert (await store.last_control()).cmd == "resume"
 
 
-async def test_verl_cycle_resumes_when_the_pause_fails():
-    from agl_trainer.backends.verl import VerlCollocatedCycle
-
-    resumed = []
-
-    async def pause():
-        raise DrainTimeout("not drained")
-
-    cycle = VerlCollocatedCycle(pause, lambda m, v: resumed.append((m, v)), dict, dict, dict, dict, "m")
-    with pytest.raises(DrainTimeout):
-        await cycle.run(1)
-    assert resumed == [(None, None)]
-
-
 async def test_a_pause_whose_trainer_died_expires(store, redis_url, prefix, upstream):
     await make_rollout(store)
     with gateway(redis_url, prefix, upstream.url, max_hold=60) as gw:

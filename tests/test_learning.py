@@ -37,7 +37,7 @@ def test_splits_are_disjoint_and_heldout_is_large():
 
 
 def test_is_correct_comes_from_the_task(tmp_path):
-    from agl_trainer.loop import default_is_correct, load_is_correct
+    from agl_trainer.tasks import default_is_correct, load_is_correct
 
     assert load_is_correct(TASK)({"answer": 3}, 1.0) is True
     plain = tmp_path / "plain.py"
@@ -49,7 +49,7 @@ def test_is_correct_comes_from_the_task(tmp_path):
 
 
 def test_union_length():
-    from agl_trainer.stepstats import union_length
+    from agl_trainer.algorithm.stepstats import union_length
 
     assert union_length([], 0, 10) == 0
     assert union_length([(1, 3), (2, 5), (7, 8)], 0, 10) == 5
@@ -70,7 +70,7 @@ def _call(rid, seq, start, end, n=4, finish="stop"):
 def test_rollout_phase_split_partitions_the_phase():
     """Hand-built timeline (s): 10 rollouts start at 0; startup until 2; calls 2-6 (all); 9 end at 7, the last
     (straggler) ends at 20 after a call 12-19; the batch is ready at 21."""
-    from agl_trainer.stepstats import rollout_phase_split
+    from agl_trainer.algorithm.stepstats import rollout_phase_split
 
     rollouts = [_rollout(f"r{i}", "g", 100.0, 107.0) for i in range(9)] + [_rollout("r9", "g", 100.0, 120.0)]
     calls = {f"r{i}": [_call(f"r{i}", 0, 102.0, 106.0)] for i in range(10)}
@@ -85,7 +85,7 @@ def test_rollout_phase_split_partitions_the_phase():
 
 
 def test_batch_signals():
-    from agl_trainer.stepstats import batch_signals
+    from agl_trainer.algorithm.stepstats import batch_signals
 
     rollouts = [_rollout("a0", "a", 0, 1, 1.0), _rollout("a1", "a", 0, 1, 0.0),
                 _rollout("b0", "b", 0, 1, 1.0), _rollout("b1", "b", 0, 1, 1.0)]

@@ -1,6 +1,6 @@
 """PPO mini-batches by rollout and the cap on optimizer steps per training step (issue 4).
 
-The planner (:mod:`agl_trainer.minibatch`) is checked on its own; :class:`CpuBackend` on a tiny randomly
+The planner (:mod:`agl_trainer.algorithm.minibatch`) is checked on its own; :class:`CpuBackend` on a tiny randomly
 initialized Llama (1 layer, hidden 16, vocab 64) saved to a temporary directory, fp32 (no bf16 autocast)
 so that losses and gradients compare exactly. Nothing is downloaded.
 """
@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from agl_trainer.aggregate import Row
-from agl_trainer.loss import per_rollout_token_weights, ppo_loss
-from agl_trainer.minibatch import plan_mini_batches
+from agl_trainer.algorithm.aggregate import Row
+from agl_trainer.algorithm.loss import per_rollout_token_weights, ppo_loss
+from agl_trainer.algorithm.minibatch import plan_mini_batches
 
 # rollout id → rows: (prompt length, response length, context positions); "r1" and "r3" have 2 rows
 SHAPES = {"r0": [(3, 5, ())], "r1": [(2, 4, (1,)), (4, 3, ())], "r2": [(3, 6, (2, 3))],

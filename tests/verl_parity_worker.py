@@ -39,7 +39,7 @@ def main(inp: str, out: str) -> None:
     import verl
     from verl.trainer.ppo import core_algos
 
-    from agl_trainer.backends import verl as adapter
+    from agl_trainer.backends.verl import adapter
 
     data = torch.load(inp, weights_only=False)
     res: dict = {"verl_version": verl.__version__, "advantages": {}, "losses": {}}

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 
 class HeldTooLong(Exception):
@@ -102,12 +101,3 @@ class PauseGate:
             self.drained_ids = self.pause_ids
             self.last_drain_s = time.monotonic() - (self.paused_at or time.monotonic())
             self._on_change()
-
-    @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """``enter`` ... ``leave`` as a context manager."""
-        await self.enter()
-        try:
-            yield
-        finally:
-            self.leave()

@@ -74,7 +74,7 @@ def _with_loggers(cfg, loggers: list[str] | None):
 
 def _check_task(cfg, train: bool = True) -> None:
     """The config's task file and functions are usable (one line and exit 2 if not), before anything starts."""
-    from .loop import TaskError, check_task
+    from .tasks import TaskError, check_task
 
     try:
         check_task(cfg, train)
@@ -138,8 +138,8 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     import os
     import subprocess
 
-    from .backends.verl_main import verl_python
-    from .loop import new_run_id
+    from .backends.verl.main import verl_python
+    from .run import new_run_id
     from .model import ensure_base_model
 
     _check_task(cfg)
@@ -158,7 +158,7 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     # reads this file, not CONFIG again (which dropped every override)
     resolved = run_dir / "config.resolved.yaml"
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    argv = [str(py), "-m", "agl_trainer.backends.verl_main", str(resolved), "--run-dir", str(run_dir),
+    argv = [str(py), "-m", "agl_trainer.backends.verl.main", str(resolved), "--run-dir", str(run_dir),
             "--ranks", str(cfg.verl_ranks), "--backend", "verl"]
     argv += ["--resume"] if resume_dir else []
     argv += ["--gpu"] if cfg.verl_device == "cuda" else []
@@ -414,14 +414,10 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     stats = ExportStats()
     eos_ids, decode = None, None
     if shape == "rows":  # the base model's end-of-turn ids, as training reads them
-        from transformers import AutoTokenizer
+        from .model import ensure_base_model, load_tokenizer
 
-        from .aggregate import end_of_turn_ids
-        from .model import ensure_base_model
-
-        base_dir = ensure_base_model(cfg.base_model if cfg else None)
-        tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        eos_ids, decode = end_of_turn_ids(tokenizer, base_dir), tokenizer.decode
+        tokenizer, eos_ids = load_tokenizer(ensure_base_model(cfg.base_model if cfg else None))
+        decode = tokenizer.decode
 
     async def main():
         store = _store(redis, prefix)

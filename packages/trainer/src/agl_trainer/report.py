@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .stepstats import TIME_KEYS
+from .algorithm.stepstats import TIME_KEYS
 
 #: (metrics key, column title, format) of the step table
 COLUMNS = [("step", "step", "{}"), ("reward_mean", "reward", "{:.2f}"), ("group_signal_frac", "signal", "{:.0%}"),
@@ -67,7 +67,7 @@ def plot_curve(metrics: list[dict], evals: list[dict], path: Path) -> None:
 
 
 def time_split_totals(metrics: list[dict]) -> dict[str, float]:
-    """Seconds per category of :data:`agl_trainer.stepstats.TIME_KEYS` summed over ``metrics``, and each as a
+    """Seconds per category of :data:`agl_trainer.algorithm.stepstats.TIME_KEYS` summed over ``metrics``, and each as a
     fraction of the summed ``step_s`` (``frac_*``)."""
     total = sum(m.get("step_s", 0.0) for m in metrics) or 1.0
     out = {}

@@ -9,6 +9,8 @@ The loop itself is :func:`agl_trainer.loop.train_async`.
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from pathlib import Path
 
 from agl_common.settings import redacted_url
@@ -16,7 +18,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from .config import TrainConfig
-from .loop import load_checkpoint, new_run_id, train_async
+from .checkpoint import load_checkpoint
+from .loop import train_async
+
+
+def new_run_id() -> str:
+    """A run directory's name: ``MMDD-HHMMSS-xxxx`` (local time, 4 random hex digits)."""
+    return time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
 
 
 def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: Path | None = None) -> dict:
@@ -24,6 +32,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
     With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
     """
+    from .model import load_tokenizer
     from .services import Services
     from .stack import start_agents, start_engine
 
@@ -56,8 +65,10 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         asyncio.run(backend.serve(state["version"] if state else 0))
         gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
         console.print(f"engine {engine}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir}")
+        tokenizer, eos_ids = load_tokenizer(base)  # merge-break classes and end-of-turn ids, once per run
         try:
-            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend))
+            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, tokenizer.decode,
+                                           eos_ids))
         finally:
             if cfg.engine_url and cfg.policy_serving == "merged":  # an engine this run did not start: base again
                 try:
@@ -68,7 +79,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):
     """The CPU backend for ``cfg`` (PEFT LoRA on ``base_dir``; adapters under ``run_dir/adapters``, hot-loaded
-    into ``engine_url``). The verl backend is built in its own environment (:mod:`agl_trainer.backends.verl_main`)."""
+    into ``engine_url``). The verl backend is built in its own environment (:mod:`agl_trainer.backends.verl.main`)."""
     from .backends.cpu import CpuBackend
     from .hardware import choose_dtype, read_cpuinfo
 

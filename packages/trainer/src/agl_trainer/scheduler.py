@@ -18,6 +18,7 @@ is lost and none is trained twice. Statuses, not entries, decide completion (an 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import socket
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 from agl_common.schemas import GroupInfo, Rollout, TERMINAL
 from agl_common.store import Store
+
+from .algorithm.evalstats import eval_stats
 
 
 async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int,
@@ -47,6 +50,38 @@ async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, ve
             await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=gid, policy_version=version))
         ids += members
     return ids
+
+
+async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
+                        on_progress: Callable[[int, int], None] | None = None) -> list[Rollout]:
+    """Poll until every rollout is succeeded or failed; raises ``TimeoutError`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rollouts = await store.get_rollouts(ids)
+        done = sum(r.status in TERMINAL for r in rollouts)
+        if on_progress:
+            on_progress(done, len(ids))
+        if done == len(ids):
+            return rollouts
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(ids) - done} of {len(ids)} rollouts unfinished after {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
+                   is_correct: Callable[[dict, float | None], bool],
+                   on_progress: Callable[[int, int], None] | None = None, n: int = 1) -> dict:
+    """``n`` rollouts per held-out problem (one group each) under the current policy; a failed rollout counts
+    as wrong.
+
+    Returns :func:`agl_trainer.algorithm.evalstats.eval_stats`: ``accuracy`` (solved / rollouts, solved as the task's
+    ``is_correct(input, reward)`` says, :func:`agl_trainer.tasks.load_is_correct`), ``n`` (rollouts), ``failed``, ``reward_mean``, ``correct`` (one 0/1 per rollout, in
+    the order of ``problems``, their ``n`` samples together), ``pass_at_k``, the reward distribution and the
+    per-rollout ``rewards``.
+    """
+    ids = await create_rollouts(store, problems, n, tag, version)
+    return eval_stats(await wait_terminal(store, ids, timeout_s, on_progress), is_correct)
+
 
 
 @dataclass

@@ -4,8 +4,8 @@ Names as verl's ``trainer.logger``: ``console``, ``jsonl``, ``tensorboard``, ``w
 tracker is written through its own library; nothing here re-implements a file format:
 
 =============  ==========================================================================================
-``console``    one line per step (key metrics) and per evaluation, on a Rich console (a training run prints
-               its own, richer lines instead, when ``console`` is among its loggers)
+``console``    one line per step and per evaluation on the run's console, printed by the run itself
+               (:func:`agl_trainer.loop.step_line`); no tracker object here
 ``jsonl``      ``{run_dir}/metrics.jsonl``: each step's metrics dict as it is, and ``{"eval": when, ...}``
                lines (CONTRACT §5). Always written, chosen or not: it is the run's own record (the
                summary, the curve and ``--resume`` read it back)
@@ -42,8 +42,6 @@ INSTALL = {"tensorboard": "tensorboard==2.20.0",
            "mlflow": "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"}
 #: Modules a tracker imports (all must be present).
 MODULES = {"tensorboard": ("tensorboard", "torch"), "wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
-#: Metrics the console line shows, in this order, when present.
-CONSOLE_KEYS = ("reward_mean", "accuracy", "rows", "merge_breaks", "failed", "carried_over", "loss", "kl", "entropy", "step_s")
 
 
 class TrackerMissing(RuntimeError):
@@ -122,30 +120,6 @@ class JsonlTracker:
 
     def log_eval(self, when: str, result: dict[str, Any], step: int) -> None:
         self._append({"eval": when, **result})
-
-    def close(self) -> None:
-        pass
-
-
-class ConsoleTracker:
-    """One line per step and per evaluation on a Rich console."""
-
-    def __init__(self, console):
-        self.console = console
-
-    def log_config(self, config: dict[str, Any]) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        parts = [f"{k} {metrics[k]:.3f}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}"
-                 for k in CONSOLE_KEYS if k in metrics and metrics[k] is not None]
-        self.console.print(f"step {step}: " + ", ".join(parts))
-
-    def log_eval(self, when: str, result: dict[str, Any], step: int) -> None:
-        shown = {k: v for k, v in flatten(result).items() if not k.startswith("reward/hist")}
-        self.console.print(f"eval {when} (step {step}): "
-                           + ", ".join(f"{k} {v:.3f}" if not float(v).is_integer() else f"{k} {int(v)}"
-                                       for k, v in shown.items()))
 
     def close(self) -> None:
         pass
@@ -265,12 +239,11 @@ class Trackers:
     Args:
         names: tracker names (:data:`TRACKERS`); checked with :func:`check_trackers`.
         run_dir: the run's directory (exists).
-        console: a Rich console for ``console`` (None: a new one).
     Raises:
         ValueError, TrackerMissing: as :func:`check_trackers`.
     """
 
-    def __init__(self, names: Iterable[str], run_dir: Path, console=None):
+    def __init__(self, names: Iterable[str], run_dir: Path):
         names = check_trackers(names)
         run_dir = Path(run_dir)
         self.names = ["jsonl"] + [n for n in names if n != "jsonl"]
@@ -279,12 +252,8 @@ class Trackers:
             for name in self.names:
                 if name == "jsonl":
                     self.trackers.append(JsonlTracker(run_dir))
-                elif name == "console":
-                    if console is None:
-                        from rich.console import Console
-
-                        console = Console()
-                    self.trackers.append(ConsoleTracker(console))
+                elif name == "console":  # the run prints its own lines (agl_trainer.loop.step_line)
+                    continue
                 elif name == "tensorboard":
                     self.trackers.append(TensorBoardTracker(run_dir))
                 elif name == "wandb":

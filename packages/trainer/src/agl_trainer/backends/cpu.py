@@ -2,7 +2,7 @@
 
 Each update is one optimizer step over the whole batch (gradients accumulated over micro-batches, the
 loss normalized per rollout via global token weights), or, with ``ppo_mini_batch_rollouts``, one step per
-mini-batch of that many rollouts (at most ``max_updates_per_step``; see :mod:`agl_trainer.minibatch`);
+mini-batch of that many rollouts (at most ``max_updates_per_step``; see :mod:`agl_trainer.algorithm.minibatch`);
 then the new policy is served in one of two ways (``serving``):
 
 - ``merged`` (default): the adapter is merged into the base weights (``W + B A * alpha/r`` per LoRA layer, in
@@ -23,9 +23,9 @@ import torch
 from agl_common.schemas import policy_name
 
 from .. import compute, interrupt
-from ..aggregate import Row
-from ..loss import ppo_loss, token_weights, truncated_is_weights
-from ..minibatch import plan_mini_batches
+from ..algorithm.aggregate import Row
+from ..algorithm.loss import ppo_loss, token_weights, truncated_is_weights
+from ..algorithm.minibatch import plan_mini_batches
 
 
 class CpuBackend:
@@ -49,7 +49,7 @@ class CpuBackend:
         model_name: the base model's served name (policy version 0; every version with ``serving="merged"``).
         serving: ``merged`` or ``adapter`` (see the module docstring).
         engine_dtype: ``bfloat16`` or ``float32``: the dtype merged weights are written in.
-        loss_agg_mode: how a mini-batch's token losses are weighed (:func:`agl_trainer.loss.token_weights`):
+        loss_agg_mode: how a mini-batch's token losses are weighed (:func:`agl_trainer.algorithm.loss.token_weights`):
             ``rollout-mean`` (default), ``token-mean`` or ``seq-mean-token-mean``.
     """
 
@@ -186,10 +186,10 @@ class CpuBackend:
     def update(self, rows: list[Row], row_advantages: list[float]) -> dict[str, float]:
         """Clipped PPO over ``rows``: one optimizer step per mini-batch, loss normalized per rollout.
 
-        The rows are split by rollout with :func:`agl_trainer.minibatch.plan_mini_batches`
+        The rows are split by rollout with :func:`agl_trainer.algorithm.minibatch.plan_mini_batches`
         (``ppo_mini_batch_rollouts`` rollouts per step, at most ``max_updates_per_step`` steps, seeded order);
         with neither set, one step over the whole batch. Each mini-batch's loss is the per-rollout mean over
-        *its* rollouts (:func:`agl_trainer.loss.token_weights` on its rows only; another ``loss_agg_mode``
+        *its* rollouts (:func:`agl_trainer.algorithm.loss.token_weights` on its rows only; another ``loss_agg_mode``
         weighs its tokens or its rows alike instead). The ratio's ``old`` side is the
         engine's recorded logprobs (or, with ``tis_cap``, the trainer's policy before the first step),
         the same for every mini-batch.

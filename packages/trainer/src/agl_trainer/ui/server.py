@@ -369,9 +369,7 @@ def load_decoder(tokenizer: str | None) -> Decoder:
         if tokenizer:
             raise FileNotFoundError(f"no tokenizer in {path}")
         return Decoder()
-    from transformers import AutoTokenizer
+    from ..model import load_tokenizer
 
-    from ..aggregate import end_of_turn_ids
-
-    tok = AutoTokenizer.from_pretrained(path)
-    return Decoder(decode=tok.decode, eos_ids=end_of_turn_ids(tok, path))
+    tok, eos_ids = load_tokenizer(path)
+    return Decoder(decode=tok.decode, eos_ids=eos_ids)

@@ -1,10 +1,10 @@
 """Rollouts, groups and rows as the dashboard shows them, computed from the Store's records.
 
-Rows and merge breaks come from :func:`agl_trainer.aggregate.build_rows` run on the rollout's current
+Rows and merge breaks come from :func:`agl_trainer.algorithm.aggregate.build_rows` run on the rollout's current
 attempt with the run's own settings (``aggregation``, ``max_prompt_tokens``, ``max_response_tokens``),
-and advantages from :func:`agl_trainer.advantage.row_advantages` with the run's ``advantage``,
+and advantages from :func:`agl_trainer.algorithm.batch.advantages_of` with the run's ``advantage``,
 ``norm_by_std``, ``advantage_level`` and ``min_group_size``, over the same rollouts the trainer keeps
-(:func:`agl_trainer.loop.select_groups`, then only rollouts that yield a row, as ``build_batch`` does):
+(:func:`agl_trainer.algorithm.batch.select_groups`, then only rollouts that yield a row, as ``build_batch`` does):
 the page shows what training used, not a re-implementation of it.
 """
 
@@ -20,9 +20,8 @@ import torch
 from agl_common.schemas import CallRecord, Rollout
 from agl_common.store import Store
 
-from ..advantage import row_advantages
-from ..aggregate import AggregateStats, Row, build_rows
-from ..loop import select_groups
+from ..algorithm.aggregate import AggregateStats, Row, build_rows
+from ..algorithm.batch import advantages_of, select_groups
 
 #: TrainConfig fields the views use, with the defaults of runs whose config lacks them.
 SETTINGS_DEFAULTS: dict[str, Any] = {"aggregation": "trajectory", "advantage": "grpo", "norm_by_std": True,
@@ -39,7 +38,7 @@ class Decoder:
     """Token ids → text for the token view and merge-break classes. Without one, ids are shown as numbers.
 
     ``decode``: ids → text (``tokenizer.decode``); ``eos_ids``: end-of-turn ids for the
-    ``missing_stop_token`` check (:func:`agl_trainer.aggregate.end_of_turn_ids`).
+    ``missing_stop_token`` check (:func:`agl_trainer.model.end_of_turn_ids`).
     """
 
     decode: Callable[[list[int]], str] | None = None
@@ -167,11 +166,9 @@ def group_view(rollouts: list[Rollout], traces: dict[str, TraceSummary], setting
     kept = [r for r in kept if traces.get(r.rollout_id) is not None and traces[r.rollout_id].rows > 0]
     if not kept:
         return {"advantages": {}, "signal": "dropped", "kept": 0}
-    rewards = torch.tensor([float(r.reward) for r in kept])
     n_rows = torch.tensor([traces[r.rollout_id].rows for r in kept])
-    adv = row_advantages(rewards, torch.zeros(len(kept), dtype=torch.int64), n_rows,
-                         settings["advantage_level"], settings["advantage"],
-                         bool(settings["norm_by_std"]))
+    adv = advantages_of(kept, n_rows.tolist(), settings["advantage"], settings["advantage_level"],
+                        bool(settings["norm_by_std"]))
     # every row of a rollout gets the same value at either level: its first row's stands for the rollout
     first = (torch.cumsum(n_rows, 0) - n_rows).tolist()
     advantages = {r.rollout_id: float(adv[i]) for r, i in zip(kept, first)}

@@ -1,6 +1,6 @@
 """Held-out evaluation statistics: accuracy, pass@k and the reward distribution of finished rollouts.
 
-Pure functions over :class:`~agl_common.schemas.Rollout` lists; :func:`agl_trainer.loop.evaluate` (the
+Pure functions over :class:`~agl_common.schemas.Rollout` lists; :func:`agl_trainer.scheduler.evaluate` (the
 training run's before/after evaluations and ``agl-trainer eval``) reports through :func:`eval_stats`.
 """
 
@@ -52,7 +52,7 @@ def reward_mean(rollouts: list[Rollout]) -> float:
 def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
     """Statistics of an evaluation: rollouts grouped by ``group_id`` (one group per problem).
 
-    ``is_correct(input, reward) -> bool``: the task's notion of solved (:func:`agl_trainer.loop.load_is_correct`).
+    ``is_correct(input, reward) -> bool``: the task's notion of solved (:func:`agl_trainer.tasks.load_is_correct`).
     Returns a JSON-ready dict:
         ``accuracy``: :func:`accuracy`; ``correct``: 0/1 per rollout, in input order; ``reward_mean``:
         :func:`reward_mean` (over succeeded rollouts); ``n``: rollouts; ``failed``;

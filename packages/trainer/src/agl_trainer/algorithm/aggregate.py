@@ -306,20 +306,3 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
     stats.rows += len(kept)
     return kept
 
-
-def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
-    """End-of-turn/eos ids to pass as ``build_rows(eos_token_ids=...)``: the tokenizer's ``eos_token_id``
-    plus the model's ``generation_config.json`` ``eos_token_id`` (an int or a list; the engine stops on
-    those too), read from ``model_dir`` if given. SmolLM2-Instruct: ``{2}`` (``<|im_end|>``)."""
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if model_dir is not None:
-        import json
-        from pathlib import Path
-
-        path = Path(model_dir) / "generation_config.json"
-        if path.exists():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
-    return ids

@@ -2,10 +2,10 @@
 
 verl imports the modules named in ``VERL_USE_EXTERNAL_MODULES`` (comma-separated) at ``import verl``,
 in the driver and in each Ray worker. Naming this module there
-(``VERL_USE_EXTERNAL_MODULES=agl_trainer.backends.verl_hook``) registers:
+(``VERL_USE_EXTERNAL_MODULES=agl_trainer.backends.verl.hook``) registers:
 
 - **AGL's per-rollout loss** in verl's policy-loss registry as ``agl_per_rollout`` (always; on GPU too).
-- **The ``agl_cpu`` rollout** (:mod:`agl_trainer.backends.verl_rollout`): a rollout engine for CPU that
+- **The ``agl_cpu`` rollout** (:mod:`agl_trainer.backends.verl.rollout`): a rollout engine for CPU that
   serves the actor's policy over an OpenAI-compatible HTTP server and receives weights through verl's
   checkpoint engine (always registered; chosen with ``actor_rollout_ref.rollout.name=agl_cpu``).
 - **With ``AGL_VERL_CPU=1`` only**: a CPU device platform (verl 0.9.1 knows nvidia, npu and rocm and
@@ -172,8 +172,8 @@ def _patch_cpu_backend_string() -> None:
 
 def register() -> None:
     """Register everything (idempotent). Called at import."""
-    from . import verl as adapter
-    from . import verl_rollout
+    from . import adapter
+    from . import rollout as verl_rollout
 
     adapter.register_verl_loss()
     verl_rollout.register()

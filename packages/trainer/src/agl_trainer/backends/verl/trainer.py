@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from . import verl as adapter
+from . import adapter
 
-HOOK_MODULE = "agl_trainer.backends.verl_hook"
+HOOK_MODULE = "agl_trainer.backends.verl.hook"
 
 
 def cpu_env(extra_modules: str = "") -> dict[str, str]:
@@ -438,7 +438,7 @@ def _device_free_gb() -> float | None:
 
 
 def init_ray(ranks: int, env: dict[str, str]) -> None:
-    """Local Ray with ``ranks`` CPU "devices" (Ray's logical GPU resource, see ``verl_hook.CPU_SLOT``) and
+    """Local Ray with ``ranks`` CPU "devices" (Ray's logical GPU resource, see ``hook.CPU_SLOT``) and
     ``env`` for its workers."""
     import ray
 

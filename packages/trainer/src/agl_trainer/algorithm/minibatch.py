@@ -2,7 +2,7 @@
 
 A training step's rows are split into mini-batches of ``rollouts_per_batch`` *rollouts* (all rows of a
 rollout always fall in the same mini-batch, so the per-rollout normalization of
-:func:`agl_trainer.loss.per_rollout_token_weights`, computed on one mini-batch's rows, weighs every rollout
+:func:`agl_trainer.algorithm.loss.per_rollout_token_weights`, computed on one mini-batch's rows, weighs every rollout
 of that mini-batch the same). Each mini-batch is one optimizer step, as verl's ``ppo_mini_batch_size``
 (one PPO epoch; Schulman et al. 2017, "PPO", Algorithm 1: minibatch SGD over the collected samples).
 With ``max_updates`` the mini-batches past the first ``max_updates`` are not trained on: their rollouts

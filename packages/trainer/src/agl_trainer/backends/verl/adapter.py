@@ -7,8 +7,8 @@ is split by where each part runs:
   and per-row labels of a verl ``DataProto`` batch; :func:`verl_token_weights` gives the per-rollout
   weights in the scale verl's ``token-mean`` aggregation expects; :func:`agl_per_rollout_loss` is our
   loss with verl's policy-loss signature; :func:`engine_upstream` builds the gateway's ``--upstream``
-  from the engines' addresses; :class:`VerlCollocatedCycle` orchestrates the collocated cycle from
-  callables (testable with fakes).
+  from the engines' addresses (the collocated cycle itself is the run loop's
+  :func:`agl_trainer.cycle.backend_cycle`, the same for every backend).
 - **inside the verl environment only**: :func:`to_dataproto` wraps :func:`rows_to_batch`'s output in
   ``verl.protocol.DataProto``; :func:`register_verl_loss` registers :func:`agl_per_rollout_loss` in
   ``verl.trainer.ppo.core_algos``' policy-loss registry as ``"agl_per_rollout"`` (actor config
@@ -33,25 +33,22 @@ with the actor before the update; to keep AGL's semantics, skip that recomputati
 ``bypass_mode``) or overwrite ``old_log_probs`` with ``rollout_log_probs`` for rows whose
 ``agl_has_logprobs`` is true.
 
-**Advantages.** Computed once per rollout by :func:`agl_trainer.advantage.grpo_advantages` and
+**Advantages.** Computed once per rollout by :func:`agl_trainer.algorithm.advantage.grpo_advantages` and
 broadcast to the rows (verl's ``compute_grpo_outcome_advantage`` counts a 2-row rollout twice in its
 group; see ``tests/test_verl_parity.py``); ``advantages`` here is that value times ``response_mask``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..loss import ppo_loss, token_weights
+from ...algorithm.loss import ppo_loss, token_weights
 
 if TYPE_CHECKING:  # aggregate imports agl_common, which the verl environment does not have
-    from ..aggregate import Row
+    from ...algorithm.aggregate import Row
 
 #: Name of AGL's loss in verl's policy-loss registry (``actor.policy_loss.loss_mode``).
 VERL_LOSS_NAME = "agl_per_rollout"
@@ -60,7 +57,7 @@ VERL_LOSS_NAME = "agl_per_rollout"
 # ---------------------------------------------------------------------------------------------- batch
 def verl_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor,
                        loss_agg_mode: str = "rollout-mean") -> torch.Tensor:
-    """Token weights scaled for verl's ``token-mean``: :func:`agl_trainer.loss.token_weights` times ``N``
+    """Token weights scaled for verl's ``token-mean``: :func:`agl_trainer.algorithm.loss.token_weights` times ``N``
     (per rollout, the default: ``mask * N / (T_r * R)``).
 
     Args:
@@ -84,7 +81,7 @@ def rows_to_batch(rows: Sequence[Row], row_advantages: Sequence[float], group_of
     ``input_ids = cat(prompts, responses)``.
 
     Args:
-        rows: training rows (:class:`agl_trainer.aggregate.Row`).
+        rows: training rows (:class:`agl_trainer.algorithm.aggregate.Row`).
         row_advantages: the rollout's advantage for each row (already broadcast, as ``build_batch`` gives).
         group_of: rollout id → GRPO group id (becomes verl's ``uid``).
         pad_id: id written at padded positions (masked out everywhere).
@@ -186,7 +183,7 @@ def agl_per_rollout_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adv
     With ``rollout_is_weights`` = :func:`verl_token_weights` (set by :func:`rows_to_batch`): the loss is
     ``Σ pg * w * mask / N * dp_size`` with ``N`` = ``config.global_batch_info["batch_num_tokens"]``
     (the global batch's masked tokens; this micro-batch's if unset), i.e. verl's ``token-mean`` of
-    ``pg * w``, which is :func:`agl_trainer.loss.ppo_loss` with :func:`per_rollout_token_weights`.
+    ``pg * w``, which is :func:`agl_trainer.algorithm.loss.ppo_loss` with :func:`per_rollout_token_weights`.
 
     Without weights (a batch verl built itself, where each row is one rollout: single-turn, or verl's
     agent loop that keeps a whole trajectory in one row) every row is its own rollout:
@@ -260,109 +257,3 @@ def engine_upstream(addresses: Sequence[str]) -> str:
     if not urls:
         raise ValueError("no engine address")
     return ",".join(urls)
-
-
-Step = Callable[[], Awaitable[Any] | Any]
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Await ``fn(*args)`` if it is a coroutine function, else run it in a worker thread."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
-    if asyncio.iscoroutine(result):
-        return await result
-    return result
-
-
-class VerlCollocatedCycle:
-    """The collocated cycle on verl, from callables: pause gateway → drained → engine sleep → update →
-    weights synced → engine wake → resume gateway on the new version.
-
-    With verl the engine serves full weights under one name (no LoRA hot-load), so the served model
-    name stays and only the policy version changes; every call after the resume is recorded with it.
-
-    Args:
-        pause: async, pauses every gateway replica and returns when all report drained (e.g.
-            ``lambda: agl_common.control.pause_and_drain(store, timeout_s)``); its result (replica
-            statuses) is counted.
-        resume: async ``resume(model, version)``; called with the new version after a good cycle and
-            with ``(None, None)`` (same policy) after a failure.
-        sleep: frees the engine's GPU memory for training (vLLM sleep mode: KV cache, weights).
-        update: the training step; returns a stats dict (merged into the result).
-        sync: pushes the updated weights into the engine (verl's rollout weight update).
-        wake: restores the engine (KV cache) so it can serve again.
-        model: the served model name passed to ``resume``.
-    Each callable may be sync (run in a worker thread) or async.
-
-    On failure from the pause on (a drain that times out included): if the engine was put to sleep it
-    is woken (errors of that wake are suppressed), the gateway is resumed on the *old* policy, and the error is re-raised, so agents are
-    never left held by a crashed trainer. A failure in ``sync`` leaves the engine with partly updated
-    weights: the version is not advanced, and the caller must re-sync before training on.
-    """
-
-    def __init__(self, pause: Step, resume: Callable[[str | None, int | None], Any], sleep: Step, update: Step,
-                 sync: Step, wake: Step, model: str):
-        self.pause, self.resume, self.sleep, self.update = pause, resume, sleep, update
-        self.sync, self.wake, self.model = sync, wake, model
-        self.events: list[str] = []  # the order the steps ran in (for tests and logs)
-
-    async def run(self, version: int) -> dict[str, Any]:
-        """One cycle producing policy ``version``; returns ``update``'s stats plus ``drain_s``,
-        ``sleep_s``, ``update_s``, ``sync_s``, ``wake_s``, ``cycle_s`` (seconds) and ``replicas``."""
-        t0 = time.perf_counter()
-        times: dict[str, float] = {}
-        asleep = False
-        try:  # the pause inside: a drain that fails ends resumed too
-            replicas = await _call(self.pause)
-            self.events.append("drained")
-            times["drain_s"] = time.perf_counter() - t0
-            t = time.perf_counter()
-            await _call(self.sleep)
-            asleep = True
-            self.events.append("sleep")
-            times["sleep_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            stats = await _call(self.update) or {}
-            self.events.append("update")
-            times["update_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            await _call(self.sync)
-            self.events.append("synced")
-            times["sync_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            await _call(self.wake)
-            asleep = False
-            self.events.append("wake")
-            times["wake_s"] = time.perf_counter() - t
-        except BaseException:
-            if asleep:
-                try:
-                    await _call(self.wake)
-                    self.events.append("wake")
-                except Exception:  # noqa: BLE001 - the original error matters more
-                    self.events.append("wake_failed")
-            await _call(self.resume, None, None)
-            self.events.append("resumed_old")
-            raise
-        await _call(self.resume, self.model, version)
-        self.events.append("resumed")
-        times["cycle_s"] = time.perf_counter() - t0
-        return {**stats, **times, "replicas": len(replicas) if isinstance(replicas, Sequence) else 0}
-
-
-def gateway_control(store: Any, drain_timeout_s: float = 120.0) -> tuple[Step, Callable[[str | None, int | None], Any]]:
-    """``(pause, resume)`` for :class:`VerlCollocatedCycle` over AGL's Redis control channel (needs
-    ``agl_common``, i.e. the main environment or ``agl-common`` installed next to verl)."""
-    from agl_common.control import new_pause_id, pause_and_drain, resume
-
-    held: list[str] = []  # the pause this cycle holds (owned pauses: its resume ends it, no other)
-
-    async def _pause():
-        held[:] = [new_pause_id()]
-        return await pause_and_drain(store, held[0], timeout_s=drain_timeout_s)
-
-    async def _resume(model: str | None, version: int | None):
-        return await resume(store, model=model, version=version, release=held.pop() if held else None)
-
-    return _pause, _resume

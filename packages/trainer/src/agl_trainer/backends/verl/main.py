@@ -1,9 +1,9 @@
-"""``agl-trainer train CONFIG --backend verl``, in the verl environment: ``python -m agl_trainer.backends.verl_main``.
+"""``agl-trainer train CONFIG --backend verl``, in the verl environment: ``python -m agl_trainer.backends.verl.main``.
 
 Order: Ray and verl's workers first (``init_workers``: FSDP2 actor, inference servers), then the gateway
 pointed at verl's servers (``get_addresses()``) and the controller (both run by the main environment's
 Python, ``$AGL_MAIN_PYTHON``), then ``fit()``: AGL's run loop (:func:`agl_trainer.loop.train_async`) with a
-:class:`~agl_trainer.backends.verl_trainer.VerlBackend`. At the end ``{run_dir}/verl.json`` records the
+:class:`~agl_trainer.backends.verl.trainer.VerlBackend`. At the end ``{run_dir}/verl.json`` records the
 engines' addresses, every engine's event log (sleep / weights / wake, wall-clock), the backend's events
 and the per-step logprob check.
 
@@ -28,7 +28,7 @@ def verl_python() -> Path | None:
     env = os.environ.get("AGL_VERL_PYTHON")
     if env:
         return Path(env)
-    for root in (Path.cwd(), Path(__file__).resolve().parents[5]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[6]):
         py = root / ".venv-verl" / "bin" / "python"
         if py.exists():
             return py
@@ -36,8 +36,8 @@ def verl_python() -> Path | None:
 
 
 def _trainer(cfg, ranks: int, run_dir: Path, loop, cpu: bool):
-    from ..model import ensure_base_model
-    from .verl_trainer import build_trainer, compose_config, initial_adapter, verl_overrides
+    from ...model import ensure_base_model
+    from .trainer import build_trainer, compose_config, initial_adapter, verl_overrides
 
     base = ensure_base_model(cfg.base_model)
     adapter = initial_adapter(base, run_dir / "adapters" / "initial", cfg.lora_rank, cfg.lora_alpha, cfg.seed)
@@ -54,7 +54,7 @@ def _trainer(cfg, ranks: int, run_dir: Path, loop, cpu: bool):
 def _server_events(addresses: list[str]) -> dict:
     import ray
 
-    from .verl_rollout import server_name
+    from .rollout import server_name
 
     out = {}
     for rank in range(len(addresses)):
@@ -70,19 +70,21 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from agl_common.settings import redacted_url
     from rich.console import Console
 
-    from ..config import TrainConfig
-    from ..run import load_checkpoint, train_async
-    from ..services import Services
-    from ..stack import start_agents
-    from .verl import engine_upstream
-    from .verl_trainer import VerlBackend, cpu_env, init_ray
+    from ...checkpoint import load_checkpoint
+    from ...config import TrainConfig
+    from ...loop import train_async
+    from ...model import ensure_base_model, load_tokenizer
+    from ...services import Services
+    from ...stack import start_agents
+    from .adapter import engine_upstream
+    from .trainer import VerlBackend, cpu_env, init_ray
 
     cfg = TrainConfig.model_validate({**TrainConfig.from_yaml(config_path).model_dump(), "backend": "verl"})
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     state = load_checkpoint(run_dir) if resume else None
     console = Console()
-    env = cpu_env() if cpu else {"VERL_USE_EXTERNAL_MODULES": "agl_trainer.backends.verl_hook"}
+    env = cpu_env() if cpu else {"VERL_USE_EXTERNAL_MODULES": "agl_trainer.backends.verl.hook"}
     init_ray(ranks, env) if cpu else _init_ray_gpu(env)
     result: dict = {}
     t0 = time.time()
@@ -104,7 +106,9 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
             console.print(f"verl engines {addresses}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir} "
                           f"(verl ready after {time.time() - t0:.0f} s)")
             try:
-                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend))
+                tokenizer, eos_ids = load_tokenizer(ensure_base_model(cfg.base_model))
+                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend,
+                                                  tokenizer.decode, eos_ids))
             finally:
                 result["verl"] = {"addresses": addresses, "ranks": ranks, "server_events": _server_events(addresses),
                                   "backend_events": backend.events, "steps": backend.step_checks,
@@ -121,8 +125,8 @@ def replay(config_path: Path, batch_path: Path, out_path: Path, ranks: int) -> d
     """Train once on a saved ``DataProto`` with ``ranks`` ranks; writes and returns the update's stats."""
     import torch
 
-    from ..config import TrainConfig
-    from .verl_trainer import cpu_env, init_ray
+    from ...config import TrainConfig
+    from .trainer import cpu_env, init_ray
 
     cfg = TrainConfig.from_yaml(config_path)
     init_ray(ranks, cpu_env())
@@ -151,7 +155,7 @@ def _init_ray_gpu(env: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agl_trainer.backends.verl_main", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m agl_trainer.backends.verl.main", description=__doc__.split("\n")[0])
     p.add_argument("config", type=Path)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (CPU processes or GPUs)")

@@ -1,0 +1,74 @@
+"""The task file: a Python file whose functions give the training and held-out inputs (``train_fn``,
+``heldout_fn``) and, optionally, the task's notion of a solved input (``correct_fn``, ``is_correct`` by default).
+Imported once per use; every fault of the user's file is a :class:`TaskError` that names the file and the fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+
+class TaskError(ValueError):
+    """The task file or one of its functions cannot be used; the message says which and why."""
+
+
+def _task_module(task_file: str | Path):
+    """Import ``task_file``. Raises :class:`TaskError` if it is missing or fails to import."""
+    path = Path(task_file)
+    if not path.is_file():
+        raise TaskError(f"task file {path} not found (run from the repository root?)")
+    spec = importlib.util.spec_from_file_location(f"agl_task_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any error of the user's file, reported as theirs
+        raise TaskError(f"task file {path} failed to import: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _task_function(module, task_file: str | Path, fn: str) -> Callable:
+    f = getattr(module, fn, None)
+    if not callable(f):
+        known = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise TaskError(f"task file {task_file} has no function {fn!r} (its functions: {', '.join(known) or 'none'})")
+    return f
+
+
+def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
+    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
+
+    Raises :class:`TaskError` if the file is missing or fails to import, or has no function ``fn``.
+    """
+    return list(_task_function(_task_module(task_file), task_file, fn)())
+
+
+def default_is_correct(task: dict, reward: float | None) -> bool:
+    """Used when the task file defines no ``is_correct``: a reward of at least 1 counts as solved."""
+    return reward is not None and reward >= 1.0
+
+
+def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Callable[[dict, float | None], bool]:
+    """The task's own notion of a solved input, ``fn(task, reward) -> bool`` from ``task_file``: its
+    ``is_correct`` by default, or :func:`default_is_correct` if the file has none. Another name that is not
+    in the file raises :class:`TaskError` (a misspelt name never falls back silently)."""
+    module = _task_module(task_file)
+    if (fn or "is_correct") == "is_correct" and not callable(getattr(module, "is_correct", None)):
+        return default_is_correct
+    return _task_function(module, task_file, fn)
+
+
+def check_task(cfg: TrainConfig, train: bool = True) -> None:
+    """Before any service starts: the task file imports and has ``cfg.train_fn`` (if ``train``; an evaluation
+    needs none), ``cfg.heldout_fn`` and ``cfg.correct_fn`` (unless that is the default ``is_correct`` and
+    absent). Raises :class:`TaskError`."""
+    module = _task_module(cfg.task_file)
+    for fn in ([cfg.train_fn] if train else []) + [cfg.heldout_fn]:
+        _task_function(module, cfg.task_file, fn)
+    load_is_correct(cfg.task_file, cfg.correct_fn)
