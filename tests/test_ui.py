@@ -248,7 +248,7 @@ def test_run_directories_are_read_defensively(tmp_path):
 
 def test_tokenizer_option():
     """A tokenizer directory decodes ids (the trainer's tiny test tokenizer here); a missing one is a clear error."""
-    from agl_trainer.ui.server import load_decoder
+    from agl_trainer.ui.traces import load_decoder
 
     tiny = ROOT / "packages" / "trainer" / "src" / "agl_trainer" / "assets" / "tiny-tokenizer"
     from transformers import AutoTokenizer

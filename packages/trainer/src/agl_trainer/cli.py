@@ -248,7 +248,8 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
     """The local web dashboard: runs, steps, groups, rollouts, token-level rows, the gateway now."""
     import uvicorn
 
-    from .ui.server import create_app, load_decoder
+    from .ui.server import create_app
+    from .ui.traces import load_decoder
 
     try:
         decoder = load_decoder(tokenizer)
@@ -346,9 +347,24 @@ def rollouts_list(limit: int = typer.Option(100, help="show the latest this many
 
 @rollouts_app.command("show")
 def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json"),
+                  config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                              help="the run's settings for its rows (its runs/.../config.json, or a "
+                                              "train YAML); default: TrainConfig's defaults"),
+                  tokenizer: str = typer.Option(None, "--tokenizer", help="a tokenizer directory to classify merge "
+                                                "breaks with; default: the base model's cached copy if any; none: off"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
-    """One rollout with its recorded calls (``--json``: one JSON object)."""
+    """One rollout with its recorded calls and the training rows they make: which calls merged into which row,
+    and the merge break (class, offset) that started each later row (``--json``: one JSON object)."""
     from agl_common.store import RolloutNotFound
+
+    from .ui.traces import analyse, load_decoder, run_settings
+
+    settings = run_settings(_load_config(config).model_dump() if config is not None else {})
+    try:
+        decoder = load_decoder(tokenizer)
+    except (FileNotFoundError, OSError) as exc:
+        err.print(f"[red]--tokenizer {escape(str(tokenizer))}[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
     async def main():
         store = _store(redis, prefix)
@@ -362,14 +378,34 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
         raise typer.Exit(1) from None
+    trace = analyse(rollout, calls, settings, decoder)
+    rows = [{"row": k, "seqs": row.seqs, "calls": row.n_calls, "prompt_tokens": len(row.prompt_ids),
+             "response_tokens": len(row.response_ids), "sampled_tokens": sum(row.response_mask),
+             "merge_break": ({key: trace.breaks[k][key] for key in ("class", "seq", "position", "row_tokens",
+                                                                    "prompt_tokens")} if k in trace.breaks else None)}
+            for k, row in enumerate(trace.rows)]
     if as_json:
         sys.stdout.write(json.dumps({**rollout.model_dump(mode="json"),
-                                     "calls": [c.model_dump(mode="json") for c in calls]}) + "\n")
+                                     "calls": [c.model_dump(mode="json") for c in calls], "rows": rows}) + "\n")
         return
     console.print(rollout.model_dump(mode="json"))
     for c in calls:
-        console.print(f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
-                      f"response={len(c.response_token_ids)} tokens, v{c.model_version}, {c.latency_ms:.0f} ms")
+        k = trace.row_of_call.get((c.attempt_id, c.seq))
+        into = f" → row {k}" if k is not None else (" (not trained: an earlier attempt)" if c.attempt_id !=
+                                                      rollout.attempt_id else " (not trained: unusable)")
+        console.print(escape(f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
+                             f"response={len(c.response_token_ids)} tokens, v{c.model_version}, "
+                             f"{c.latency_ms:.0f} ms{into}"))
+    for r in rows:
+        b = r["merge_break"]
+        why = (f"merge break before it: {b['class']} at token {b['position']} (call {b['seq']}'s prompt of "
+               f"{b['prompt_tokens']} tokens does not extend row {r['row'] - 1}'s {b['row_tokens']})" if b
+               else "first call" if r["row"] == 0 else "new row")
+        console.print(escape(f"row {r['row']}: calls {', '.join(map(str, r['seqs']))} ({r['calls']} merged), prompt "
+                             f"{r['prompt_tokens']} tokens, response {r['response_tokens']} ({r['sampled_tokens']} "
+                             f"sampled); {why}"))
+    if not rows:
+        console.print("no training row: no usable call in the current attempt")
 
 
 @rollouts_app.command("export")

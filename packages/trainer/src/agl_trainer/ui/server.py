@@ -355,21 +355,3 @@ def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return html.escape(str(v))
-
-
-def load_decoder(tokenizer: str | None) -> Decoder:
-    """A :class:`Decoder` from a tokenizer directory (``AutoTokenizer``), or the base model's cached copy
-    when ``tokenizer`` is None and it exists, or none (``"none"``, or nothing cached)."""
-    from ..model import DEFAULT_CACHE
-
-    if tokenizer == "none":
-        return Decoder()
-    path = Path(tokenizer) if tokenizer else DEFAULT_CACHE / "smollm2-135m-instruct"
-    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        if tokenizer:
-            raise FileNotFoundError(f"no tokenizer in {path}")
-        return Decoder()
-    from ..model import load_tokenizer
-
-    tok, eos_ids = load_tokenizer(path)
-    return Decoder(decode=tok.decode, eos_ids=eos_ids)

@@ -14,6 +14,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,24 @@ class Decoder:
         """One token's text (its id in brackets without a decoder)."""
         t = self.text([token_id])
         return f"[{token_id}]" if t is None else t
+
+
+def load_decoder(tokenizer: str | None) -> Decoder:
+    """A :class:`Decoder` from a tokenizer directory (``AutoTokenizer``), or the base model's cached copy
+    when ``tokenizer`` is None and it exists, or none (``"none"``, or nothing cached)."""
+    from ..model import DEFAULT_CACHE
+
+    if tokenizer == "none":
+        return Decoder()
+    path = Path(tokenizer) if tokenizer else DEFAULT_CACHE / "smollm2-135m-instruct"
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        if tokenizer:
+            raise FileNotFoundError(f"no tokenizer in {path}")
+        return Decoder()
+    from ..model import load_tokenizer
+
+    tok, eos_ids = load_tokenizer(path)
+    return Decoder(decode=tok.decode, eos_ids=eos_ids)
 
 
 @dataclass
