@@ -17,7 +17,7 @@ import asyncio
 import time
 import uuid
 
-from .schemas import ControlCommand, ReplicaStatus
+from .schemas import ControlCommand, Policy, ReplicaStatus
 from .store import REPLICA_TTL_S, Store
 
 
@@ -80,14 +80,17 @@ async def _withdraw(store: Store, pause_id: str) -> None:
 
 
 async def resume(store: Store, model: str | None = None, version: int | None = None, release: str | None = None,
-                 release_all: bool = False) -> ControlCommand:
-    """End pause ``release`` (``release_all``: every pause, whoever holds it); with ``model`` set, route new
-    calls to that policy. Held calls go on once no pause is held. With neither ``release`` nor
-    ``release_all`` it only switches the policy.
+                 release_all: bool = False, policy: Policy | None = None) -> ControlCommand:
+    """End pause ``release`` (``release_all``: every pause, whoever holds it); with ``policy`` (or ``model`` and
+    ``version``) set, route new calls to that policy (its roles too). Held calls go on once no pause is held.
+    With neither ``release`` nor ``release_all`` it only switches the policy.
 
     Raises ``pydantic.ValidationError`` (nothing published) for a version outside :data:`PolicyVersion`.
     """
+    if policy is not None:
+        model, version = policy.model, policy.version
     command = ControlCommand(cmd="resume", id=uuid.uuid4().hex, model=model, version=version, release=release,
-                             release_all=release_all)
+                             release_all=release_all, roles=policy.roles if policy else {},
+                             role_models=policy.role_models if policy else {})
     await store.publish_control(command)
     return command

@@ -12,7 +12,7 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RolloutStatus(str, Enum):
@@ -132,6 +132,8 @@ class CallRecord(BaseModel):
     finish_reason: str | None = None
     model_version: int = 0
     model: str | None = None
+    #: the role of the harness's sub-agent that made the call (:attr:`Policy.roles`); None without roles
+    role: str | None = None
     latency_ms: float = 0.0
     status: Literal["ok", "error"] = "ok"
     error: str | None = None
@@ -182,6 +184,16 @@ class ControlCommand(BaseModel):
     #: pause only: Unix time (s) after which the pause is over on its own, so that a trainer killed
     #: between pause and resume cannot leave replicas (or replicas started later) paused for good.
     expires_at: float | None = None
+    #: resume with ``model`` only: the policy's roles (:attr:`Policy.roles`, :attr:`Policy.role_models`)
+    roles: dict[str, str] = Field(default_factory=dict)
+    role_models: dict[str, str] = Field(default_factory=dict)
+
+    def policy(self) -> "Policy | None":
+        """The policy a resume with a ``model`` switches to (None for any other command); raises
+        ``pydantic.ValidationError`` for roles that do not fit together."""
+        if self.cmd != "resume" or not self.model:
+            return None
+        return Policy(model=self.model, version=self.version or 0, roles=self.roles, role_models=self.role_models)
 
 
 class ReplicaStatus(BaseModel):
@@ -198,20 +210,84 @@ class ReplicaStatus(BaseModel):
     updated_at: float = Field(default_factory=time.time)
 
 
+#: What a role's name may hold (it becomes part of a served model name and of a directory name).
+_ROLE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def check_role_name(role: str) -> str:
+    """Return ``role`` if it can name a role: 1 to 64 ASCII letters, digits or ``_``; else ``ValueError``."""
+    if not isinstance(role, str) or not _ROLE_NAME.fullmatch(role):
+        raise ValueError(f"a role name is 1 to 64 ASCII letters, digits or _, got {role!r:.70}")
+    return role
+
+
+class UnknownRole(ValueError):
+    """A call names no role of the policy, or an unknown one, or two that disagree (the gateway answers 400)."""
+
+
 class Policy(BaseModel):
-    """The policy the gateway routes new calls to: a served model name and its version number."""
+    """The policy the gateway routes new calls to: a served model name and its version number.
+
+    With ``roles`` (a harness whose sub-agents each train their own adapter), each call is routed by its
+    role: ``roles`` maps each role to the served model name of its current adapter (the base model's name
+    until the role is first updated), ``role_models`` maps each model name a harness gives a sub-agent to
+    its role. One ``version`` covers every role (the step that published it). See :func:`route_call`.
+    """
 
     model: str
     version: PolicyVersion = 0
+    roles: dict[str, str] = Field(default_factory=dict)
+    role_models: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _roles_are_consistent(self) -> "Policy":
+        for role in self.roles:
+            check_role_name(role)
+        unknown = sorted({r for r in self.role_models.values() if r not in self.roles})
+        if unknown:
+            raise ValueError(f"role_models names roles that are not in roles: {unknown}")
+        return self
 
 
-def policy_name(version: int) -> str:
+def route_call(policy: Policy, model: str | None, role: str | None = None) -> tuple[str | None, str]:
+    """``(role, served model name)`` for a call that asked for ``model`` (its body's ``model``) and named
+    ``role`` (the ``X-AGL-Role`` header, or None).
+
+    Without roles: ``(None, policy.model)`` whatever was asked. With roles, the role is the header's, or else
+    the one ``model`` belongs to (:attr:`Policy.role_models`); the call goes to that role's served name.
+    Raises :class:`UnknownRole` (its message names the known roles and their model names) for an unknown
+    header role, a model name of no role with no header, or a header and a model name of two roles.
+    """
+    if not policy.roles:
+        return None, policy.model
+    by_model = policy.role_models.get(model) if isinstance(model, str) else None
+    if role is not None:
+        if role not in policy.roles:
+            raise UnknownRole(f"unknown role {role!r:.70} (X-AGL-Role); {_known(policy)}")
+        if by_model is not None and by_model != role:
+            raise UnknownRole(f"X-AGL-Role says {role!r} but model {model!r:.70} is role {by_model!r}; "
+                              f"{_known(policy)}")
+        return role, policy.roles[role]
+    if by_model is None:
+        raise UnknownRole(f"model {model!r:.70} names no role (and no X-AGL-Role header was sent); {_known(policy)}")
+    return by_model, policy.roles[by_model]
+
+
+def _known(policy: Policy) -> str:
+    names = {r: sorted(m for m, rr in policy.role_models.items() if rr == r) for r in policy.roles}
+    return "known roles: " + ", ".join(f"{r} (model {', '.join(repr(m) for m in ms) or 'none: header only'})"
+                                       for r, ms in sorted(names.items()))
+
+
+def policy_name(version: int, role: str | None = None) -> str:
     """The name policy ``version`` is served and stored under when it is not the base model: ``policy-v{N}``
-    (a LoRA adapter's served name, its directory under a run's ``adapters/``)."""
-    return f"policy-v{version}"
+    (a LoRA adapter's served name, its directory under a run's ``adapters/``); a role's adapter is
+    ``policy-v{N}-{role}``."""
+    return f"policy-v{version}" + (f"-{check_role_name(role)}" if role is not None else "")
 
 
 def policy_version(name: str) -> int | None:
-    """The version in a :func:`policy_name` (``policy-v3`` → 3), None for any other name."""
-    m = re.fullmatch(r"policy-v(\d+)", name)
+    """The version in a :func:`policy_name` (``policy-v3`` → 3, ``policy-v3-solver`` → 3), None for any other
+    name."""
+    m = re.fullmatch(r"policy-v(\d+)(?:-[A-Za-z0-9_]{1,64})?", name)
     return int(m[1]) if m else None

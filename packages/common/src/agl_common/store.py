@@ -543,11 +543,9 @@ class Store:
         elif command.release is not None:
             pipe.hdel(self.key("pauses"), command.release)
         pipe.set(self.key("control:last"), body)
-        if command.cmd == "resume" and command.model is not None:
-            pipe.set(
-                self.key("policy"),
-                Policy(model=command.model, version=command.version or 0).model_dump_json(),
-            )
+        policy = command.policy()
+        if policy is not None:
+            pipe.set(self.key("policy"), policy.model_dump_json())
         await pipe.execute()
         # After the transaction, not in it (a cluster transaction holds one slot's keys; PUBLISH has none):
         # a replica that misses the message reads ``control:last`` when it (re)subscribes.

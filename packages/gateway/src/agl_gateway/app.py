@@ -169,8 +169,9 @@ async def apply_command(st: GatewayState, cmd: ControlCommand) -> None:
     that the end of one pause never releases another); a pause past its expiry is over on its own (a
     trainer killed between pause and resume leaves no replica paused for good). Raises Redis errors.
     """
-    if cmd.cmd == "resume" and cmd.model:
-        st.policy = Policy(model=cmd.model, version=cmd.version or 0)
+    policy = cmd.policy()
+    if policy is not None:
+        st.policy = policy
     hold(st, await st.store.pauses())
 
 

@@ -43,7 +43,8 @@ def presented_key(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-def _header(request: Request, name: str) -> str | None:
+def header(request: Request, name: str) -> str | None:
+    """The value of header ``name`` as UTF-8 text (None if absent); ``ApiError`` 400 if it is not UTF-8."""
     value = request.headers.get(name)
     if value is None:
         return None
@@ -60,8 +61,8 @@ def named_attempt(request: Request) -> tuple[str | None, str | None]:
     that is not a canonical decimal or a header that is not UTF-8.
     """
     params = request.path_params
-    rid = params.get("rollout_id") or _header(request, "x-agl-rollout-id")
-    aid = params.get("attempt_id") or _header(request, "x-agl-attempt-id")
+    rid = params.get("rollout_id") or header(request, "x-agl-rollout-id")
+    aid = params.get("attempt_id") or header(request, "x-agl-attempt-id")
     if rid:
         try:
             check_rollout_id(rid)

@@ -29,6 +29,7 @@ conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/):
 ``agl.rollout_id``, ``agl.attempt_id``  which rollout attempt made the call
 ``agl.seq``, ``agl.route``,             the call's number in its attempt, the route, the policy version
 ``agl.policy_version``
+``agl.role``                            the call's role (multi-role policies only)
 ======================================  ===========================================================
 
 Never a key, a header or a message. Message content only with
@@ -131,6 +132,8 @@ def attributes(rec: dict[str, Any], seq: int, capture_content: bool = False) -> 
         "agl.route": rec["route"],
         "agl.policy_version": int(rec.get("model_version") or 0),
     }
+    if rec.get("role"):
+        attrs["agl.role"] = str(rec["role"])
     if rec.get("finish_reason"):
         attrs["gen_ai.response.finish_reasons"] = [str(rec["finish_reason"])]
     if isinstance(response.get("id"), str):

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request
+from agl_common.schemas import Policy, UnknownRole, route_call
 from fastapi.responses import Response, StreamingResponse
 
 from . import translate
@@ -34,7 +35,7 @@ from .body import read_json
 from .capture import MAX_JSON_DEPTH, Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, too_deep
 from .errors import ApiError, bad_request
 from .gate import GateClosed, HeldTooLong
-from .identity import Identity, check_callable, resolve_identity
+from .identity import Identity, check_callable, header, resolve_identity
 from .recording import fill, new_record, observe, write, write_failure
 from .state import GatewayState, state_of
 from .streaming import DONE, LiveRelay, RelayResponse, read_stream
@@ -78,6 +79,15 @@ async def enter_gate(st: GatewayState) -> None:
     except GateClosed:
         raise ApiError(503, "gateway shutting down; retry (another replica, or this one once restarted)",
                        "server_error", "shutting_down", {"Retry-After": "1"}) from None
+
+
+def route(policy: Policy, body: dict[str, Any], role: str | None) -> tuple[str | None, str]:
+    """``(role, served model name)`` of a call (:func:`agl_common.schemas.route_call` on its body's ``model``
+    and its ``X-AGL-Role`` header); ``ApiError`` 400 ``unknown_role`` naming the known roles."""
+    try:
+        return route_call(policy, body.get("model"), role)
+    except UnknownRole as exc:
+        raise bad_request(str(exc), "unknown_role") from None
 
 
 def check_conversation(messages: Any) -> None:
@@ -130,7 +140,10 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     stream = bool(body.get("stream"))
     if stream and not (spec.sse or spec.live_stream):
         raise bad_request(f"stream=true is not supported on the {spec.route} route", "stream_unsupported")
-    call = Call(st, ident, spec, body, upstream, t_call)
+    role = header(request, "x-agl-role")
+    if st.policy is not None:
+        route(st.policy, body, role)  # a call of no known role is refused now, not after a pause
+    call = Call(st, ident, spec, body, upstream, t_call, role)
     if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
         relay = LiveRelay()
         task = asyncio.create_task(call.run_live(relay))
@@ -152,8 +165,9 @@ class Call:
     """One call going through the pipeline (see the module docstring)."""
 
     def __init__(self, st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
-                 upstream: dict[str, Any], t_call: float):
+                 upstream: dict[str, Any], t_call: float, role: str | None = None):
         self.st, self.ident, self.spec, self.body, self.upstream, self.t_call = st, ident, spec, body, upstream, t_call
+        self.role = role  # the X-AGL-Role header, if sent
 
     async def run_live(self, relay: LiveRelay) -> None:
         """:meth:`run` as the task of a live stream: every outcome ends the relay."""
@@ -180,8 +194,10 @@ class Call:
             waited += time.perf_counter() - t_gate
             try:
                 policy = await current_policy(st)
-                rec = new_record(self.ident.rollout_id, self.ident.attempt_id, self.spec.route, self.body, policy)
-                payload = {**self.upstream, "model": policy.model}
+                role, served = route(policy, self.body, self.role)
+                rec = new_record(self.ident.rollout_id, self.ident.attempt_id, self.spec.route, self.body, policy,
+                                 served, role)
+                payload = {**self.upstream, "model": served}
                 t0 = time.perf_counter()
                 try:
                     if relay is None:

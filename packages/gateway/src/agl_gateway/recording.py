@@ -17,12 +17,14 @@ from .state import GatewayState
 log = logging.getLogger("agl.gateway")
 
 
-def new_record(rollout_id: str, attempt_id: str, route: str, body: dict[str, Any], policy: Policy) -> dict[str, Any]:
-    """A :class:`CallRecord` as a plain dict, its fields in the model's order (see :func:`write`)."""
+def new_record(rollout_id: str, attempt_id: str, route: str, body: dict[str, Any], policy: Policy,
+               served: str | None = None, role: str | None = None) -> dict[str, Any]:
+    """A :class:`CallRecord` as a plain dict, its fields in the model's order (see :func:`write`);
+    ``served``: the model name the call is sent under (default ``policy.model``), ``role``: its role."""
     return {"rollout_id": rollout_id, "attempt_id": attempt_id, "seq": -1, "route": route,
             "request": body, "response": None, "prompt_token_ids": [], "response_token_ids": [],
             "response_logprobs": None, "finish_reason": None, "model_version": policy.version,
-            "model": policy.model, "latency_ms": 0.0, "status": "ok", "error": None, "started_at": time.time(),
+            "model": served or policy.model, "role": role, "latency_ms": 0.0, "status": "ok", "error": None, "started_at": time.time(),
             "ended_at": 0.0}
 
 

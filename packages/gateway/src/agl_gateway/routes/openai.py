@@ -32,10 +32,11 @@ async def completions(request: Request):
 
 @router.get("/models")
 async def models(request: Request):
-    """The served model name. With a key configured: the admin key, or the scoped key of the rollout
+    """The served model name (and, with roles, the model names the harness gives each role). With a key configured: the admin key, or the scoped key of the rollout
     attempt named by the path or the ``X-AGL-Rollout-Id`` (and optional ``X-AGL-Attempt-Id``) headers,
     checked as a model call's key is. Unknown until an engine answers: 502."""
     st = state_of(request)
     await authorize(request, st)
-    names = [st.settings.model or (await current_policy(st)).model]
+    policy = await current_policy(st)
+    names = [st.settings.model or policy.model] + sorted(policy.role_models)  # and each role's model names
     return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "agl"} for n in names]}
