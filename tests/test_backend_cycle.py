@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from agl_common.schemas import Policy
 from agl_trainer.backends.base import Backend
 from agl_trainer.cycle import backend_cycle
 
@@ -26,10 +27,10 @@ class RecordingBackend:
         self.calls.append(("publish", version))
         if self.fail_in == "publish":
             raise RuntimeError("publish failed")
-        return f"served-v{version}"
+        return Policy(model=f"served-v{version}", version=version)
 
     async def serve(self, version):
-        return f"served-v{version}"
+        return Policy(model=f"served-v{version}", version=version)
 
     async def retire(self, version):
         self.calls.append(("retire", version))

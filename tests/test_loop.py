@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from agl_common.schemas import Policy
 from agl_trainer.checkpoint import load_checkpoint
 from agl_trainer.config import TrainConfig
 from agl_trainer.loop import train_async
@@ -46,11 +47,11 @@ class RecordingBackend:
 
     async def publish(self, version):
         self.published.append(version)
-        return self.model
+        return Policy(model=self.model, version=version)
 
     async def serve(self, version):
         self.served.append(version)
-        return self.model
+        return Policy(model=self.model, version=version)
 
     async def retire(self, version):
         pass

@@ -5,7 +5,11 @@ Nothing here knows about AGL: the OpenAI client reads OPENAI_BASE_URL and OPENAI
 as usual; the evaluator at the bottom reads the task from AGL_INPUT and posts the reward to AGL_REWARD_URL
 (CONTRACT §2), the way any harness's evaluator would.
 
-    python examples/arithmetic/team.py [--max-tokens N] [--retries N]
+    python examples/arithmetic/team.py [--max-tokens N] [--retries N] [--solver-model NAME] [--checker-model NAME]
+
+Each agent names its model, as frameworks let it (default: ``AGL_MODEL`` for both): with a model name per agent,
+a gateway that trains a policy per sub-agent (``roles`` in examples/arithmetic/roles.yaml) routes each agent's
+calls to its own adapter; the code is the same either way.
 
 The flow, ordinary agent code:
 
@@ -49,13 +53,18 @@ def is_bare_number(text: str) -> bool:
     return bool(_BARE.fullmatch(text or ""))
 
 
-async def solve(question: str, max_tokens: int = 64, retries: int = 1) -> tuple[str, list[str]]:
-    """The team's final answer and the agents that were called, in order (``solver``, ``checker``)."""
+async def solve(question: str, max_tokens: int = 64, retries: int = 1, solver_model: str | None = None,
+                checker_model: str | None = None) -> tuple[str, list[str]]:
+    """The team's final answer and the agents that were called, in order (``solver``, ``checker``); each agent
+    asks for its own model name (default ``AGL_MODEL``)."""
     set_tracing_disabled(True)
-    model = OpenAIChatCompletionsModel(model=os.environ.get("AGL_MODEL", "gpt-4o-mini"), openai_client=AsyncOpenAI())
+    client = AsyncOpenAI()
+    default = os.environ.get("AGL_MODEL", "gpt-4o-mini")
     settings = ModelSettings(temperature=1.0, max_tokens=max_tokens)
-    solver = Agent(name="solver", instructions=SOLVER, model=model, model_settings=settings)
-    checker = Agent(name="checker", instructions=CHECKER, model=model, model_settings=settings)
+    solver = Agent(name="solver", instructions=SOLVER, model_settings=settings,
+                   model=OpenAIChatCompletionsModel(model=solver_model or default, openai_client=client))
+    checker = Agent(name="checker", instructions=CHECKER, model_settings=settings,
+                    model=OpenAIChatCompletionsModel(model=checker_model or default, openai_client=client))
     calls = ["solver"]
     result = await Runner.run(solver, question)
     answer = str(result.final_output)
@@ -77,9 +86,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=64, help="token budget of each reply")
     ap.add_argument("--retries", type=int, default=2, help="times the solver is asked again for a number")
+    ap.add_argument("--solver-model", help="the solver's model name (default: $AGL_MODEL)")
+    ap.add_argument("--checker-model", help="the checker's model name (default: $AGL_MODEL)")
     args = ap.parse_args()
     task = json.loads(os.environ["AGL_INPUT"])
-    answer, calls = asyncio.run(solve(task["question"], args.max_tokens, args.retries))
+    answer, calls = asyncio.run(solve(task["question"], args.max_tokens, args.retries, args.solver_model,
+                                      args.checker_model))
     print(json.dumps({"calls": calls}))
     report(task, answer)
 

@@ -379,7 +379,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
         err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
         raise typer.Exit(1) from None
     trace = analyse(rollout, calls, settings, decoder)
-    rows = [{"row": k, "seqs": row.seqs, "calls": row.n_calls, "prompt_tokens": len(row.prompt_ids),
+    rows = [{"row": k, "role": row.role, "seqs": row.seqs, "calls": row.n_calls, "prompt_tokens": len(row.prompt_ids),
              "response_tokens": len(row.response_ids), "sampled_tokens": sum(row.response_mask),
              "merge_break": ({key: trace.breaks[k][key] for key in ("class", "seq", "position", "row_tokens",
                                                                     "prompt_tokens")} if k in trace.breaks else None)}
@@ -394,14 +394,15 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
         into = f" → row {k}" if k is not None else (" (not trained: an earlier attempt)" if c.attempt_id !=
                                                       rollout.attempt_id else " (not trained: unusable)")
         console.print(escape(f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
-                             f"response={len(c.response_token_ids)} tokens, v{c.model_version}, "
-                             f"{c.latency_ms:.0f} ms{into}"))
+                             f"response={len(c.response_token_ids)} tokens, v{c.model_version}"
+                             + (f" role {c.role} ({c.model})" if c.role else "") + f", {c.latency_ms:.0f} ms{into}"))
     for r in rows:
         b = r["merge_break"]
         why = (f"merge break before it: {b['class']} at token {b['position']} (call {b['seq']}'s prompt of "
                f"{b['prompt_tokens']} tokens does not extend row {r['row'] - 1}'s {b['row_tokens']})" if b
                else "first call" if r["row"] == 0 else "new row")
-        console.print(escape(f"row {r['row']}: calls {', '.join(map(str, r['seqs']))} ({r['calls']} merged), prompt "
+        console.print(escape(f"row {r['row']}" + (f" ({r['role']})" if r["role"] else "") +
+                             f": calls {', '.join(map(str, r['seqs']))} ({r['calls']} merged), prompt "
                              f"{r['prompt_tokens']} tokens, response {r['response_tokens']} ({r['sampled_tokens']} "
                              f"sampled); {why}"))
     if not rows:

@@ -11,8 +11,31 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
+from agl_common.schemas import Policy, check_role_name
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, engine_base_urls
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class RoleConfig(BaseModel):
+    """One role of a multi-agent harness (a sub-agent with its own policy): how the gateway recognizes its
+    calls, and its LoRA settings where they differ from the run's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    models: list[str] = Field(default_factory=list, description="the model names the harness gives this role's "
+                              "calls (each in one role only); a harness that cannot name models sends the "
+                              "X-AGL-Role header instead")
+    lora_rank: int | None = Field(None, ge=1, le=512, description="this role's LoRA rank (None: the run's lora_rank)")
+    lora_alpha: int | None = Field(None, ge=1, description="this role's LoRA alpha (None: the run's lora_alpha)")
+    lr: float | None = Field(None, gt=0, description="this role's learning rate (None: the run's lr)")
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name.strip():
+                raise ValueError("a role's model name must not be empty")
+        return v
 
 
 class TrainConfig(BaseModel):
@@ -69,7 +92,7 @@ class TrainConfig(BaseModel):
         "seq-mean-token-mean (every row)")
     min_group_size: int = Field(2, ge=1, description="train on a group only if this many rollouts succeeded")
     lr: float = Field(3e-4, gt=0)
-    lora_rank: int = Field(16, ge=1)
+    lora_rank: int = Field(16, ge=1, le=512)
     lora_alpha: int = Field(32, ge=1)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
@@ -106,6 +129,10 @@ class TrainConfig(BaseModel):
         "merged", description="cpu backend: how the engine serves each new policy: merged (the LoRA merged into "
         "the base weights, reloaded in place: plain-weights speed, ~7x the adapter's tokens/s measured here) or "
         "adapter (hot-loaded as policy-vN through vLLM's LoRA path)")
+    roles: dict[str, RoleConfig] = Field(
+        default_factory=dict, description="a policy per sub-agent: role name -> how the gateway recognizes its "
+        "calls (models: the model names the harness gives it) and its LoRA settings; each role trains its own "
+        "adapter from its own rows (cpu backend, policy_serving: adapter); {}: one policy for every call")
     # the model and the services (None: start one)
     base_model: str | None = Field(None, description="a local Hugging Face model directory (config.json, "
                                    "safetensors weights, tokenizer) the engine serves and the trainer trains; None: "
@@ -129,6 +156,31 @@ class TrainConfig(BaseModel):
             raise ValueError(f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size}):"
                              " no group could ever be trained")
         return self
+
+    @model_validator(mode="after")
+    def _roles_can_be_routed(self) -> "TrainConfig":
+        if not self.roles:
+            return self
+        owner: dict[str, str] = {}
+        for role, rc in self.roles.items():
+            check_role_name(role)
+            for name in rc.models:
+                if name in owner and owner[name] != role:
+                    raise ValueError(f"model name {name!r} is given to two roles ({owner[name]}, {role}): the "
+                                     "gateway could not tell their calls apart")
+                owner[name] = role
+        if self.policy_serving != "adapter":
+            raise ValueError("roles need policy_serving: adapter (each role's adapter is served beside the others; "
+                             "merged weights serve one policy)")
+        if self.backend != "cpu":
+            raise ValueError("roles are trained by the cpu backend only (verl serves one LoRA per engine: "
+                             "docs/verl.md)")
+        return self
+
+    def base_policy(self) -> Policy:
+        """Policy version 0: the base model, for every role too (with :attr:`roles`)."""
+        return Policy(model=self.model_name, version=0, roles={r: self.model_name for r in self.roles},
+                      role_models={m: r for r, rc in self.roles.items() for m in rc.models})
 
     @field_validator("base_model")
     @classmethod

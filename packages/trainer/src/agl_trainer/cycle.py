@@ -74,8 +74,8 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
 
     Order: pause the gateway and wait until drained → ``backend.update(rows, row_advantages)`` (in a worker
     thread; the backend frees the engine's memory first if it shares it) → ``backend.publish(version)``
-    (the engine serves the new policy; returns its served model name) → gateway resumed on that name and
-    ``version``, so every call from then on is recorded with it. If anything fails after the pause, the
+    (the engine serves the new policy; returns the :class:`Policy` that routes to it) → gateway resumed on
+    that policy, so every call from then on is recorded with it. If anything fails after the pause, the
     gateway is resumed on the *old* policy before re-raising: agents are never left held by a crashed trainer.
     """
     events: list[list] = []
@@ -88,12 +88,12 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
     try:
         stats = await compute.run(backend.update, rows, row_advantages)  # the run's one torch thread
         t_update = time.perf_counter()
-        model = await backend.publish(version)
+        policy = await backend.publish(version)
     except BaseException:
         await resume(store, release=pause)
         raise
     t_published = time.perf_counter()
-    await resume(store, model=model, version=version, release=pause)
+    await resume(store, policy=policy, release=pause)
     events.append(["resume", time.time()])
     await backend.retire(version - 1)
     return {**stats, "drain_s": t_drained - t0, "weight_load_s": t_published - t_update,

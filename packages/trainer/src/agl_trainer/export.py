@@ -10,7 +10,8 @@ Shapes (one record = one line of JSON Lines, one row of Parquet):
   its group gave it; a group with fewer than ``min_group_size`` such rollouts trains nothing), with
   ``max_prompt_tokens``/``max_response_tokens``, ``aggregation`` and the advantage (``advantage``,
   ``norm_by_std``, ``advantage_level``). Fields: ``rollout_id``, ``attempt_id``, ``group_id``, ``row`` (index
-  in the rollout), ``reward``, ``advantage``, ``model_version``, ``n_calls``, ``prompt_ids``, ``response_ids``,
+  in the rollout), ``reward``, ``advantage``, ``model_version``, ``role`` (the sub-agent's role whose calls it
+  holds, None without roles), ``n_calls``, ``prompt_ids``, ``response_ids``,
   ``response_mask`` (1 = sampled, 0 = context), ``logprobs`` (nats, 0.0 at mask 0), ``has_logprobs``.
 - ``messages``: SFT-ready chat conversations of the current attempt of each rollout (``ok`` chat-route calls):
   a call's request ``messages`` plus the assistant message it got back; a later call whose messages start
@@ -191,7 +192,7 @@ async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig, eos_tok
             continue
         out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id,
                     "row": index[r.rollout_id], "reward": r.reward, "advantage": a, "model_version": row.model_version,
-                    "n_calls": row.n_calls, "prompt_ids": row.prompt_ids, "response_ids": row.response_ids,
+                    "role": row.role, "n_calls": row.n_calls, "prompt_ids": row.prompt_ids, "response_ids": row.response_ids,
                     "response_mask": row.response_mask, "logprobs": row.old_logprobs,
                     "has_logprobs": row.has_logprobs})
         index[r.rollout_id] += 1

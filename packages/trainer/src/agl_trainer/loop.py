@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agl_common.control import resume as resume_gateway
-from agl_common.schemas import Policy
 from agl_common.store import Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import compute
 from .algorithm.batch import build_batch, select_groups
 from .algorithm.evalstats import accuracy, reward_mean
-from .algorithm.stepstats import TIME_KEYS, batch_signals, rollout_phase_split
+from .algorithm.stepstats import TIME_KEYS, batch_signals, role_signals, rollout_phase_split
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .cycle import backend_cycle
@@ -76,8 +75,9 @@ class TrainingRun:
         """A new run: the gateway routes to the base policy (version 0), the held-out evaluation before.
         Returns the first step (1)."""
         self.trackers.log_config(self.cfg.model_dump(mode="json"))
-        await self.store.set_policy(Policy(model=self.cfg.model_name, version=0))
-        await resume_gateway(self.store, model=self.cfg.model_name, version=0)
+        policy = self.cfg.base_policy()
+        await self.store.set_policy(policy)
+        await resume_gateway(self.store, policy=policy)
         await self.evaluate("before", 0, self.heldout)
         return 1
 
@@ -103,7 +103,7 @@ class TrainingRun:
             await self.scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
         taken = await self.scheduler.start()
         # the engine serves the restored policy (a CPU run's adapter is loaded again, in place)
-        await resume_gateway(self.store, model=await self.backend.serve(self.version), version=self.version)
+        await resume_gateway(self.store, policy=await self.backend.serve(self.version))
         self.console.print(f"resumed {self.run_dir.name} after step {state['step']} (policy v{self.version}, "
                            f"groups in flight: {len(self.scheduler.active)}, completions taken over: {taken})")
         return state["step"] + 1
@@ -160,6 +160,10 @@ class TrainingRun:
                      time_pause_drain_s=cycle["drain_s"], time_weight_load_s=cycle["weight_load_s"])
         else:
             m["skipped_update"] = "no advantage signal" if rows else "no rows"
+        if cfg.roles:  # each role's calls, reward, rows and (from its update) loss, entropy...
+            signals = role_signals(rollouts, calls, rows)
+            updates = m.get("roles", {})
+            m["roles"] = {role: {**signals.get(role, {}), **updates.get(role, {})} for role in cfg.roles}
         await compute.run(save_checkpoint, self.run_dir, self.backend, step, self.version, self.scheduler, m)
         m["step_s"] = time.perf_counter() - t0
         # what the rollout phase and the cycle did not explain: bookkeeping, rows, the checkpoint
@@ -218,11 +222,13 @@ def step_line(m: dict, train_s: float) -> str:
     upd = (f"loss {m['loss']:+.3f}, ratio₀ {m['ratio_first']:.3f}, clip₀ {m['clip_frac_first']:.1%}, "
            f"KL {m['kl']:.4f}" + (f", entropy {m['entropy']:.3f}" if "entropy" in m else "")
            if "loss" in m else m["skipped_update"])
+    roles = "".join(f"; {role}: {s.get('rows', 0)} rows" + (f", loss {s['loss']:+.3f}" if "loss" in s else ", skipped")
+                    for role, s in (m.get("roles") or {}).items())
     return (f"step {m['step']}: reward {m['reward_mean']:.2f}, signal in {m['group_signal_frac']:.0%} of groups, "
             f"{m['truncation_rate']:.0%} of replies cut at max_tokens, {m['response_tokens_mean']:.0f} tokens/reply, "
             f"{upd}; {m['step_s']:.0f} s (generation {m['time_generation_s']:.0f} s, harness start-up "
             f"{m['time_harness_startup_s']:.0f} s, stragglers {m['time_wait_s']:.0f} s, update "
-            f"{m.get('time_update_s', 0):.0f} s); {train_s / 60:.1f} min of training")
+            f"{m.get('time_update_s', 0):.0f} s){roles}; {train_s / 60:.1f} min of training")
 
 
 async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_url: str, state: dict | None,

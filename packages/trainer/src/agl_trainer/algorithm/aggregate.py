@@ -15,6 +15,8 @@ token (0.0 at mask-0 positions). All three have the same length.
 Merge breaks (trajectory mode) are classified, first match wins (``S`` = the current row's full
 sequence, ``P`` = the next call's prompt ids, ``d`` = the first index where they differ):
 
+- ``role_change``: the next call was made by another role (:attr:`CallRecord.role`: a sub-agent with its own
+  policy): rows never mix roles, whatever the ids, since each role's rows train its own adapter.
 - ``missing_stop_token``: only with ``eos_token_ids``. ``P`` does extend ``S`` exactly, but the row's
   last call finished with ``finish_reason`` ``"stop"`` or ``"tool_calls"`` and its response ids do not end
   with an end-of-turn/eos id: the engine stopped on a token (or stop string) that is not in the recorded
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from agl_common.schemas import CallRecord
 
 #: Merge-break classes, in the order they are tested (see the module docstring).
-BREAK_CLASSES = ("missing_stop_token", "retokenized", "template_rerender", "other")
+BREAK_CLASSES = ("role_change", "missing_stop_token", "retokenized", "template_rerender", "other")
 #: ``finish_reason`` values meaning the engine stopped on a stop token or string (not on ``max_tokens``).
 STOP_FINISH_REASONS = frozenset({"stop", "tool_calls"})
 
@@ -59,6 +61,8 @@ class Row:
     model_version: int = 0
     #: ``seq`` of each call merged into the row, in order (``seqs[0]`` is the call that started it)
     seqs: list[int] = field(default_factory=list)
+    #: the role whose calls the row holds (:attr:`CallRecord.role`; None without roles)
+    role: str | None = None
 
     def full_ids(self) -> list[int]:
         """``prompt_ids + response_ids`` (a new list)."""
@@ -266,7 +270,10 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
         prompt = call.prompt_token_ids
         if mode == "trajectory" and current is not None:
             n = len(seq)
-            if len(prompt) >= n and prompt[n - 1] == seq[n - 1] and prompt[:n] == seq:
+            if call.role != current.role:
+                _record_break(stats, "role_change", call, seq, prompt, first_difference(seq, prompt),
+                              response_start, decode)
+            elif len(prompt) >= n and prompt[n - 1] == seq[n - 1] and prompt[:n] == seq:
                 if (eos is not None and last.finish_reason in STOP_FINISH_REASONS
                         and last.response_token_ids[-1] not in eos):
                     _record_break(stats, "missing_stop_token", call, seq, prompt, n, response_start, decode)
@@ -282,7 +289,7 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
             else:
                 cls, d = classify_break(seq, prompt, response_start, decode)
                 _record_break(stats, cls, call, seq, prompt, d, response_start, decode)
-        current = Row(rollout_id=call.rollout_id, prompt_ids=list(prompt))
+        current = Row(rollout_id=call.rollout_id, prompt_ids=list(prompt), role=call.role)
         current.append_response(call)
         rows.append(current)
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:

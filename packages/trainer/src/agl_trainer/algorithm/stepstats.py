@@ -85,3 +85,27 @@ def batch_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]]) -
             "truncation_rate": sum(c.finish_reason == "length" for c in every) / n,
             "response_tokens_mean": sum(len(c.response_token_ids) for c in every) / n,
             "calls": len(every)}
+
+
+def role_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]], rows: list) -> dict[str, dict]:
+    """Per role (:attr:`CallRecord.role`) of one step: ``calls``, ``truncation_rate`` (its calls cut at
+    ``max_tokens``), ``rollouts`` (rollouts that called it), ``reward_mean`` (their mean reward, rewarded ones
+    only; None if none) and ``rows`` (training rows of that role, :attr:`Row.role`). ``{}`` without roles."""
+    out: dict[str, dict] = {}
+    by_id = {r.rollout_id: r for r in rollouts}
+    for rid, cs in calls.items():
+        for role in {c.role for c in cs if c.role is not None}:
+            s = out.setdefault(role, {"calls": 0, "cut": 0, "rewards": [], "rollouts": 0, "rows": 0})
+            s["rollouts"] += 1
+            if rid in by_id and by_id[rid].reward is not None:
+                s["rewards"].append(by_id[rid].reward)
+        for c in cs:
+            if c.role is not None:
+                out[c.role]["calls"] += 1
+                out[c.role]["cut"] += c.finish_reason == "length"
+    for row in rows:
+        if row.role in out:
+            out[row.role]["rows"] += 1
+    return {role: {"calls": s["calls"], "truncation_rate": s["cut"] / max(1, s["calls"]), "rollouts": s["rollouts"],
+                   "reward_mean": sum(s["rewards"]) / len(s["rewards"]) if s["rewards"] else None, "rows": s["rows"]}
+            for role, s in sorted(out.items())}

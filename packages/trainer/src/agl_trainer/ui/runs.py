@@ -30,6 +30,12 @@ CHARTS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
                              ("pause-drain", ("time_pause_drain_s", "drain_s")), ("step", ("step_s",))]),
 ]
 
+#: Per-role charts of a run with roles (a policy per sub-agent): (title, key in each step's ``roles[role]``),
+#: one series per role.
+ROLE_CHARTS: list[tuple[str, str]] = [("reward per role (rollouts that called it)", "reward_mean"),
+                                      ("loss per role", "loss"), ("entropy per role (nats/token)", "entropy"),
+                                      ("rows per role", "rows")]
+
 #: Columns of the run page's step table: (title, candidate keys).
 STEP_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("step", ("step",)), ("policy", ("policy_version",)), ("reward", ("reward_mean",)), ("acc", ("accuracy",)),
@@ -118,10 +124,17 @@ class Run:
         """The :data:`CHARTS` data: per chart its title, the step numbers and one list per series
         (None where a step lacks the field)."""
         xs = [m.get("step") for m in self.steps]
-        return [{"title": title, "x": xs,
-                 "series": [{"label": label, "values": [_num(pick(m, keys)) for m in self.steps]}
-                            for label, keys in series]}
-                for title, series in CHARTS]
+        charts = [{"title": title, "x": xs,
+                   "series": [{"label": label, "values": [_num(pick(m, keys)) for m in self.steps]}
+                              for label, keys in series]}
+                  for title, series in CHARTS]
+        roles = sorted({r for m in self.steps if isinstance(m.get("roles"), dict) for r in m["roles"]})
+        if roles:  # :data:`ROLE_CHARTS`, one series per role
+            charts += [{"title": title, "x": xs,
+                        "series": [{"label": role, "values": [_num(_role_value(m, role, key)) for m in self.steps]}
+                                   for role in roles]}
+                       for title, key in ROLE_CHARTS]
+        return charts
 
     def table(self) -> list[list[str]]:
         """The step table's cells (strings), one list per step, columns as :data:`STEP_COLUMNS`."""
@@ -133,6 +146,12 @@ class Run:
                 "step_numbers": [m.get("step") for m in self.steps],
                 "before": self.eval_accuracy("before"), "after": self.eval_accuracy("after"),
                 "charts": self.series(), "table": self.table()}
+
+
+def _role_value(m: dict[str, Any], role: str, key: str) -> Any:
+    roles = m.get("roles")
+    stats = roles.get(role) if isinstance(roles, dict) else None
+    return stats.get(key) if isinstance(stats, dict) else None
 
 
 def _num(v: Any) -> float | None:

@@ -363,14 +363,16 @@ class VerlBackend:
         self.trainer.checkpoint_manager.update_weights(version)
         self._mark("wake")
 
-    async def publish(self, version: int) -> str:
+    async def publish(self, version: int) -> "Policy":
         """:meth:`sync` (in a worker thread); the served name does not change (verl's servers hold one policy)."""
         import asyncio
+
+        from agl_common.schemas import Policy
 
         await asyncio.to_thread(self.sync, version)
         if self.step_checks and self.last_batch is not None:
             self.step_checks[-1]["engine_logprob_change"] = await asyncio.to_thread(self._engine_change)
-        return self.model_name
+        return Policy(model=self.model_name, version=version)
 
     @staticmethod
     def _served_model(base: str) -> str:
@@ -405,7 +407,7 @@ class VerlBackend:
         mask = b["response_mask"][0][:n].bool()
         return float((now - b["old_log_probs"][0][:n]).abs()[mask].max())
 
-    async def serve(self, version: int) -> str:
+    async def serve(self, version: int) -> "Policy":
         return await self.publish(version)
 
     async def retire(self, version: int) -> None:
