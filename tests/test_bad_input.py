@@ -355,6 +355,21 @@ NEVER_GOOD = [
      lambda: corrupt(good_chat(), ("choices", 0, "logprobs", "content", 0, "logprob"), None), "logprobs missing"),
     ("completion-logprob-null", "completions",
      lambda: corrupt(good_completion(), ("choices", 0, "logprobs", "token_logprobs", 1), None), "logprobs missing"),
+    # (round 2) values that are numbers but cannot be what they claim: one made every later update NaN
+    ("chat-logprob-positive", "chat/completions",
+     lambda: corrupt(good_chat(), ("choices", 0, "logprobs", "content", 0, "logprob"), 5.0), "not a log-probability"),
+    ("chat-logprob-engine-floor", "chat/completions",
+     lambda: corrupt(good_chat(), ("choices", 0, "logprobs", "content", 2, "logprob"), -9999.0),
+     "not a log-probability"),
+    ("completion-logprob-huge", "completions",
+     lambda: corrupt(good_completion(), ("choices", 0, "logprobs", "token_logprobs", 0), 1e308),
+     "not a log-probability"),
+    ("negative-token-id", "chat/completions", lambda: corrupt(good_chat(), ("choices", 0, "token_ids", 0), -5),
+     "token id -5 out of range"),
+    ("huge-prompt-id", "chat/completions", lambda: corrupt(good_chat(), ("prompt_token_ids", 1), 2**63 + 5),
+     "out of range"),
+    ("usage-not-an-integer", "chat/completions", lambda: corrupt(good_chat(), ("usage", "completion_tokens"), "2"),
+     "usage.completion_tokens is not an integer"),
 ]
 
 
@@ -423,6 +438,23 @@ def test_a_stream_that_fails_mid_generation_is_recorded_as_an_error(env):
     finally:
         env.up.plan = None
     assert last_record(env).status == "error" and "no finish reason" in last_record(env).error
+
+
+def test_a_stream_with_a_long_prompt_is_recorded(env):
+    """vLLM sends every prompt token id in a stream's first event: past aiohttp's default line limit (a ~20k-token
+    prompt) the agent got a 500 and nothing was recorded."""
+    prompt = list(range(1, 150_001))  # ~1 MB first line
+    calls, records = len(env.up.calls), env.n_records()
+    env.up.plan = ("stream", chat_chunks("up", prompt, IDS), "done")
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                               json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    assert resp.status_code == 200 and "[DONE]" in resp.text
+    settle(env, calls, records)
+    rec = last_record(env)
+    assert rec.status == "ok" and rec.prompt_token_ids == prompt and rec.response_token_ids == IDS
 
 
 def test_bad_headers_and_paths(env):
@@ -528,11 +560,16 @@ def test_still_alive_after_everything(env):
 
 
 def test_reward_must_be_a_finite_number(env):
-    """"inf"/"nan" strings parse as floats, but a stored reward of inf is written as null: refused with 400."""
+    """A reward is a JSON number (CONTRACT §1: ``<float>``) within ±REWARD_LIMIT: strings ("inf" would be stored
+    as null, "1_000" read as 1000), booleans and rewards that would overflow the advantage are refused with 400."""
     url = f"{env.gw.url}/rollouts/r1/attempts/0/reward"
-    for value in ("inf", "-Infinity", "nan", "1e999"):
+    for value in ("inf", "-Infinity", "nan", "1e999", "0.25", True, "1_000", 1e10, -3e38, 1e308):
         resp = env.client.post(url, json={"value": value})
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (value, resp.text)
-    assert env.client.post(url, json={"value": "0.25"}).status_code == 200
+    resp = env.client.post(url, json={"value": 0.25, "message": "x" * 5000})
+    assert resp.status_code == 400 and "message" in resp.text
+    assert Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}")).reward is None  # nothing stored
+    assert env.client.post(url, json={"value": 1}).status_code == 200
+    assert env.client.post(url, json={"value": 0.25}).status_code == 200
     stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}"))
     assert stored.reward == 0.25

@@ -162,3 +162,16 @@ async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gate
     await tick
     assert out["a"].status == RolloutStatus.succeeded and out["a"].reward == 1.0
     assert ticks >= 40, ticks  # ~3 s of judging at one tick per 50 ms; a frozen loop gives a handful
+
+
+async def test_a_reward_function_that_returns_no_reward_or_exits_is_a_reward_error(store, gateway_url, tmp_path,
+                                                                                    monkeypatch):
+    """A ``--reward-fn`` returning NaN or inf left a *succeeded* rollout with reward null (1e39 overflowed the
+    advantage), and one calling ``sys.exit()`` ended the whole controller with every run it had in flight."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    kinds = ("nan", "inf", "big", "exit", "interrupt", "ok")
+    out = await run(store, gateway_url, tmp_path, {k: {"calls": 1, "kind": k} for k in kinds},
+                    reward_fn="rewards:hostile")
+    for k in kinds[:-1]:
+        assert (out[k].status, out[k].failure, out[k].reward) == (RolloutStatus.failed, "reward_error", None), k
+    assert out["ok"].status == RolloutStatus.succeeded and out["ok"].reward == 0.5

@@ -7,3 +7,15 @@ def slow(inp: dict, output: str) -> float:
     """A judge that takes ``inp["judge_s"]`` seconds (blocking, as a test run or a model call would)."""
     time.sleep(float(inp.get("judge_s", 2.0)))
     return 1.0
+
+
+def hostile(inp: dict, output: str):
+    """What a careless or hostile reward function returns or does, by ``inp["kind"]``."""
+    import sys
+
+    kind = inp["kind"]
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    return {"nan": float("nan"), "inf": float("inf"), "big": 1e39, "ok": 0.5}[kind]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -50,7 +51,10 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
     propagates: a ``resume`` releasing ``pause_id`` alone (other owners' pauses stay held) is published. The pause itself expires ``max_pause_s`` seconds after it was
     published (:attr:`ControlCommand.expires_at`), in case its publisher dies before resuming.
     Replica statuses come from the store's registry (two round trips per poll, every ``poll_s`` seconds).
+    Raises ``ValueError`` (nothing published) for a ``timeout_s`` that is not a positive finite number.
     """
+    if not (math.isfinite(timeout_s) and timeout_s > 0):  # a NaN deadline would never pass: a pause held for good
+        raise ValueError(f"timeout_s must be a number of seconds above 0, got {timeout_s!r}")
     command = ControlCommand(cmd="pause", id=pause_id or new_pause_id(), expires_at=time.time() + max_pause_s)
     try:
         await store.publish_control(command)

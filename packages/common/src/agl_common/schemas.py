@@ -7,12 +7,13 @@ Field names follow ``docs/contract.md`` section 3.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class RolloutStatus(str, Enum):
@@ -59,17 +60,18 @@ ROLLOUT_ID_CHARS = "A-Za-z0-9._~:@-"
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._~:@-]*")
 
 
-def check_rollout_id(rollout_id: str) -> str:
-    """Return ``rollout_id`` if it can name a rollout: 1 to :data:`ROLLOUT_ID_MAX` characters of
-    :data:`ROLLOUT_ID_CHARS`, the first a letter, digit or ``_``. Raises ``ValueError`` saying which rule it
-    breaks (and the first character that breaks it)."""
+def check_rollout_id(rollout_id: str, what: str = "rollout id") -> str:
+    """Return ``rollout_id`` if it can name a rollout (or, ``what="group id"``, a group: the same rules, since a
+    group id is part of its rollouts' ids, of URLs and of terminal output): 1 to :data:`ROLLOUT_ID_MAX`
+    characters of :data:`ROLLOUT_ID_CHARS`, the first a letter, digit or ``_``. Raises ``ValueError`` saying
+    which rule it breaks (and the first character that breaks it)."""
     if not isinstance(rollout_id, str) or not 0 < len(rollout_id) <= ROLLOUT_ID_MAX:
         n = len(rollout_id) if isinstance(rollout_id, str) else type(rollout_id).__name__
-        raise ValueError(f"rollout id must be 1 to {ROLLOUT_ID_MAX} characters, got {n}")
+        raise ValueError(f"{what} must be 1 to {ROLLOUT_ID_MAX} characters, got {n}")
     if not _ROLLOUT_ID.fullmatch(rollout_id):
         bad = next((c for i, c in enumerate(rollout_id)
                     if not _ROLLOUT_ID.fullmatch(c if i == 0 else "a" + c)), "?")
-        raise ValueError(f"rollout id may hold only ASCII letters, digits and . _ ~ : @ - (starting with a letter, "
+        raise ValueError(f"{what} may hold only ASCII letters, digits and . _ ~ : @ - (starting with a letter, "
                          f"a digit or _): {rollout_id!r:.60} holds {bad!r}")
     return rollout_id
 
@@ -91,6 +93,11 @@ class Rollout(BaseModel):
     ended_at: float | None = None
     env_map: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("group_id")
+    @classmethod
+    def _group_id(cls, v: str | None) -> str | None:
+        return v if v is None else check_rollout_id(v, "group id")
+
 
 class GroupInfo(BaseModel):
     """One GRPO group as registered in the store when its rollouts are created.
@@ -104,6 +111,11 @@ class GroupInfo(BaseModel):
     policy_version: int = 0
     owner: str | None = None
     created_at: float = Field(default_factory=time.time)
+
+    @field_validator("group_id")
+    @classmethod
+    def _group_id(cls, v: str) -> str:
+        return check_rollout_id(v, "group id")
 
 
 Route = Literal["chat", "completions", "messages", "responses"]
@@ -141,19 +153,44 @@ class CallRecord(BaseModel):
     ended_at: float = 0.0
 
 
+#: Largest |reward| accepted (from a harness, a reward function or a CLI): far above any reward scale in use,
+#: and small enough that a group's advantage statistics cannot overflow.
+REWARD_LIMIT = 1e9
+#: Longest reward message, event type (characters) and event (bytes of JSON), and most events per rollout.
+REWARD_MESSAGE_MAX = 4096
+EVENT_TYPE_MAX = 128
+EVENT_BYTES_MAX = 64 * 1024
+EVENTS_PER_ROLLOUT_MAX = 1000
+
+
+def check_reward(value: float) -> float:
+    """Return ``value`` if it can be a reward: a finite number with ``|value| <=`` :data:`REWARD_LIMIT`; else
+    ``ValueError`` saying why (NaN and inf would be stored as null; a huge one overflows the advantage)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a reward must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or abs(value) > REWARD_LIMIT:
+        raise ValueError(f"a reward must be a finite number within ±{REWARD_LIMIT:g}, got {value!r}")
+    return float(value)
+
+
 class RewardIn(BaseModel):
-    """Body of ``POST .../reward``."""
+    """Body of ``POST .../reward``: ``value`` a JSON number (:func:`check_reward`), ``message`` optional text."""
 
     model_config = ConfigDict(extra="forbid")
-    value: float
-    message: str | None = None
+    value: Annotated[float, Field(strict=True)]
+    message: str | None = Field(None, max_length=REWARD_MESSAGE_MAX)
+
+    @field_validator("value")
+    @classmethod
+    def _a_reward(cls, v: float) -> float:
+        return check_reward(v)
 
 
 class EventIn(BaseModel):
     """Body of ``POST .../events``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: str
+    type: str = Field(max_length=EVENT_TYPE_MAX)
     data: dict[str, Any] = Field(default_factory=dict)
 
 

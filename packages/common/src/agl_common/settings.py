@@ -8,11 +8,19 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "agl:"
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it can prefix the Redis keys: no ``{`` or ``}`` (Redis Cluster hash-tag delimiters);
+    else ``ValueError``. The Store and every settings model check it with this."""
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(f"prefix {prefix!r} must not contain '{{' or '}}' (Redis Cluster hash-tag delimiters)")
+    return prefix
 
 
 def redacted_url(url: str) -> str:
@@ -58,3 +66,8 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(default=DEFAULT_REDIS_URL, description=(
         "Redis URL; redis+cluster://host:port[,host:port...] selects Redis Cluster"))
     prefix: str = DEFAULT_PREFIX
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return check_prefix(v)

@@ -77,7 +77,7 @@ from .schemas import (
     check_rollout_id,
     check_transition,
 )
-from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix
 
 #: A gateway replica is *live* while its last heartbeat (sent every second) is younger than this (s).
 REPLICA_TTL_S = 5
@@ -215,8 +215,7 @@ class Store:
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX,
                  max_connections: int = 512, wait_replicas: int = 0, wait_timeout_ms: int = 1000):
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"prefix {prefix!r} must not contain '{{' or '}}' (Redis Cluster hash-tag delimiters)")
+        check_prefix(prefix)
         if wait_replicas < 0 or wait_timeout_ms < 0:
             raise ValueError("wait_replicas and wait_timeout_ms must be >= 0")
         self.redis_url = redis_url
@@ -518,6 +517,10 @@ class Store:
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
         entry_id = await self.r.xadd(self.rollout_key("events", rollout_id), {"d": body})
         return entry_id.decode()
+
+    async def count_events(self, rollout_id: str) -> int:
+        """How many events the rollout's stream holds (every attempt's)."""
+        return int(await self.r.xlen(self.rollout_key("events", rollout_id)))
 
     async def read_events(self, rollout_id: str) -> list[dict[str, Any]]:
         entries = await self.r.xrange(self.rollout_key("events", rollout_id))

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus, check_reward
 from agl_common.store import RolloutNotFound, Store
 
 log = logging.getLogger("agl.controller")
@@ -257,9 +257,12 @@ class Runner:
             try:
                 # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
                 # other runs' outcomes): a frozen loop let the lease expire and another controller end them
-                value = await asyncio.to_thread(lambda: float(self.reward_fn(rollout.input, final_output(calls))))
-            except Exception as exc:
-                log.warning("reward function failed on %s: %s", rollout_id, exc)
+                value = await asyncio.to_thread(
+                    lambda: check_reward(float(self.reward_fn(rollout.input, final_output(calls)))))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a reward function's sys.exit() must not end the controller
+                log.warning("reward function failed on %s: %r", rollout_id, exc)
                 failure = "reward_error"
             else:
                 def set_reward(r: Rollout) -> None:

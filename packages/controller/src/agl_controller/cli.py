@@ -10,7 +10,7 @@ import shlex
 import signal
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix
 
 from .base import DEFAULT_RETRY_ON, check_retry_on, load_reward_fn
 
@@ -68,6 +68,7 @@ def run(
     retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
     try:  # checked before anything starts: a bad option is a usage error (exit 2), not a traceback
         check_retry_on(retry)
+        check_prefix(prefix)
         if reward_fn:
             load_reward_fn(reward_fn)
         for name, value in (("--timeout", timeout), ("--lease-ttl", lease_ttl)):

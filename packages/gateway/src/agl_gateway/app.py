@@ -149,7 +149,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             if st.tracer is not None:
                 await asyncio.to_thread(st.tracer.shutdown)
 
-    app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # with a key, nothing is served without one: not even the route list (/openapi.json)
+    app = FastAPI(title="AGL gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None if settings.key else "/openapi.json")
     install_handlers(app)
 
     app.add_middleware(RequestMetrics)

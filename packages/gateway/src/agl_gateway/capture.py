@@ -31,6 +31,15 @@ def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
+#: Token ids a record may hold: ``[0, 2**31)`` (every vocabulary fits; torch, Parquet and the trainer's int64
+#: tensors take them).
+TOKEN_ID_LIMIT = 2**31
+#: A sampled token's logprob is at most 0 (this much above it is float rounding) and above vLLM's floor for -inf
+#: (``max(logprob, -9999.0)`` in its OpenAI server): a token the engine gave probability 0 cannot have been sampled.
+LOGPROB_CEILING = 1e-3
+LOGPROB_FLOOR = -9999.0
+
+
 class MalformedUpstream(ValueError):
     """The engine answered 2xx with fields of the wrong type (or unserializable / too deeply nested)."""
 
@@ -163,13 +172,16 @@ def check(cap: Captured) -> str | None:
     while ``usage`` does not say the reply was empty; token ids that do not add up to the engine's own
     ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
     choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
-    never invented); no finish reason (a generation that did not end)."""
+    never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
+    or below :data:`LOGPROB_FLOOR`; no finish reason (a generation that did not end)."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
     n = (cap.usage or {}).get("completion_tokens")
     counted = isinstance(n, int) and not isinstance(n, bool)
+    if n is not None and not counted:
+        return f"usage.completion_tokens is not an integer: {n!r:.40}"
     if not cap.response_token_ids and not (counted and n == 0):
         return "response token ids missing: the engine returned none and no usage saying the reply is empty"
     sampled = len(cap.response_token_ids) if cap.sampled is None else cap.sampled
@@ -177,6 +189,13 @@ def check(cap: Captured) -> str | None:
         return f"token ids incomplete: {sampled} of {n}"
     if cap.response_token_ids and cap.response_logprobs is None:
         return f"logprobs missing: not one per token id ({len(cap.response_token_ids)} ids)"
+    bad = next((t for t in (*cap.prompt_token_ids, *cap.response_token_ids) if not 0 <= t < TOKEN_ID_LIMIT), None)
+    if bad is not None:
+        return f"token id {bad} out of range (0 to {TOKEN_ID_LIMIT - 1})"[:200]
+    bad_lp = next((x for x in cap.response_logprobs or () if not LOGPROB_FLOOR < x <= LOGPROB_CEILING), None)
+    if bad_lp is not None:
+        return (f"logprob {bad_lp!r} is not a log-probability of a sampled token (above 0, or at or below the "
+                f"engine's {LOGPROB_FLOOR} floor for -inf)")
     if cap.finish_reason is None:
         return "no finish reason: the generation did not end"
     return None

@@ -21,8 +21,8 @@ class GatewaySettings(CommonSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     key: str | None = None
     open: bool = False
-    max_hold: float = 600.0
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_hold: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     upstream_timeout_s: float = 600.0
     heartbeat_s: float = 1.0
     otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables

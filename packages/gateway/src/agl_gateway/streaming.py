@@ -18,6 +18,7 @@ import asyncio
 from typing import Any
 
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 from fastapi.responses import StreamingResponse
 
 from .capture import StreamCapture
@@ -101,6 +102,11 @@ class RelayResponse(StreamingResponse):
                 self.relay.agent_gone()
 
 
+#: Longest line of an engine's stream, in bytes: vLLM sends every prompt token id in the first event
+#: (~6 bytes an id): aiohttp's default line limit (twice its read buffer) failed long prompts' streams unrecorded.
+STREAM_LINE_MAX = 64 * 1024 * 1024
+
+
 async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dict[str, Any],
                       sc: StreamCapture, relay: LiveRelay) -> list[bytes]:
     """Stream ``payload`` from the rollout's engine (:func:`engine_call`), capturing every chunk into
@@ -114,7 +120,7 @@ async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dic
     done = False
     async with engine_call(st, rollout_id, path, orjson.dumps(payload)) as resp:
         try:
-            async for raw in resp.content:
+            while raw := await resp.content.readline(max_line_length=STREAM_LINE_MAX):
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 if not line.startswith("data:"):
                     continue
@@ -135,7 +141,8 @@ async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dic
                     relay.send(event)
                 else:
                     held.append(event)
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # JSON errors, MalformedUpstream...
+        except (ValueError, TypeError, AttributeError, KeyError, HttpProcessingError) as exc:  # JSON errors,
+            # MalformedUpstream, a line over STREAM_LINE_MAX (aiohttp's LineTooLong)...
             raise ApiError(502, f"upstream sent a malformed stream ({type(exc).__name__}: {exc})"[:500],
                            "server_error", "upstream_error") from None
     if not done:

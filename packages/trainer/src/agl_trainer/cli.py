@@ -26,6 +26,12 @@ RunRedisOpt = typer.Option(None, "--redis", envvar="AGL_REDIS_URL", help="Redis 
 RunPrefixOpt = typer.Option(None, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix (overrides the config)")
 
 
+def printable(text: str) -> str:
+    """``text`` with each non-printable character (ESC and other control codes) written as its escape
+    (``\\x1b``), so that nothing stored by a harness or a user can drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
     return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
 # Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns.
@@ -295,6 +301,11 @@ def rollouts_create(
     except ValueError as exc:
         err.print(f"[red]invalid --id[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
+    try:
+        check_rollout_id(group or base, "group id")
+    except ValueError as exc:
+        err.print(f"[red]invalid --group[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
     async def main():
         store = _store(redis, prefix)
@@ -340,8 +351,9 @@ def rollouts_list(limit: int = typer.Option(100, help="show the latest this many
     for col in ("rollout", "attempt", "status", "reward", "failure", "group"):
         table.add_column(col)
     for r in items:
-        table.add_row(r.rollout_id, r.attempt_id, r.status.value, "-" if r.reward is None else f"{r.reward:g}",
-                      r.failure or "", r.group_id or "")
+        table.add_row(*(escape(printable(x)) for x in (r.rollout_id, r.attempt_id, r.status.value,
+                                                        "-" if r.reward is None else f"{r.reward:g}",
+                                                        r.failure or "", r.group_id or "")))
     console.print(table)
 
 
@@ -426,6 +438,11 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
                                                 "or a train YAML); default: TrainConfig's defaults"),
                     redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
+    import math
+
+    if min_reward is not None and not math.isfinite(min_reward):
+        err.print(f"[red]invalid --min-reward[/red]: a finite number, got {min_reward!r}")
+        raise typer.Exit(2)
     from agl_common.schemas import RolloutStatus
     from agl_common.store import RolloutNotFound
 
@@ -486,8 +503,13 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Pause every gateway replica; return once all report their in-flight calls drained. Prints the pause's
     id: `gateway resume --pause ID` ends this pause alone (a trainer's own pauses stay held)."""
+    import math
+
     from agl_common.control import DrainTimeout, new_pause_id, pause_and_drain
 
+    if not (math.isfinite(timeout) and timeout > 0):
+        err.print(f"[red]invalid --timeout[/red]: a number of seconds above 0, got {timeout!r}")
+        raise typer.Exit(2)
     pause = new_pause_id()
 
     async def main():

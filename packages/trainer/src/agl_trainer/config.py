@@ -12,7 +12,7 @@ from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, engine_base_urls
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, engine_base_urls
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -64,8 +64,8 @@ class TrainConfig(BaseModel):
     max_train_minutes: float | None = Field(30.0, gt=0, description="stop training after the step that passes "
                                             "this many minutes of training (evaluations excluded); None: run every "
                                             "step")
-    groups_per_step: int = Field(8, ge=1)
-    group_size: int = Field(8, ge=1)
+    groups_per_step: int = Field(8, ge=1, le=4096)
+    group_size: int = Field(8, ge=1, le=1024)
     eval_size: int = Field(256, ge=0, description="held-out inputs evaluated before and after training")
     eval_every: int = Field(4, ge=0, description="during training, evaluate the first eval_subset held-out inputs "
                             "every this many steps (0: never)")
@@ -188,6 +188,11 @@ class TrainConfig(BaseModel):
         if v is not None and not (Path(v) / "config.json").is_file():
             raise ValueError(f"{v!r} is not a model directory (no config.json in it)")
         return v
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return check_prefix(v)
 
     @field_validator("engine_url")
     @classmethod

@@ -102,6 +102,17 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts, lists, tuples) replaced by None: what JSON can hold."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 class JsonlTracker:
     """Appends to ``metrics.jsonl`` (one JSON object per line; flushed and closed per write)."""
 
@@ -109,8 +120,8 @@ class JsonlTracker:
         self.path = Path(run_dir) / "metrics.jsonl"
 
     def _append(self, obj: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(obj) + "\n")
+        with self.path.open("a") as f:  # strict JSON: a NaN/inf (a diverged loss) is written as null
+            f.write(json.dumps(finite_or_none(obj), allow_nan=False) + "\n")
 
     def log_config(self, config: dict[str, Any]) -> None:
         pass  # the run writes config.json itself

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
-from agl_common.schemas import TERMINAL, EventIn, RewardIn, Rollout
+import orjson
+from agl_common.schemas import EVENT_BYTES_MAX, EVENTS_PER_ROLLOUT_MAX, TERMINAL, EventIn, RewardIn, Rollout
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from ..body import read_json
 from ..errors import ApiError, bad_request, store_down
-from ..identity import resolve_identity
+from ..identity import check_callable, resolve_identity
 from ..state import state_of
 
 router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
@@ -30,9 +29,7 @@ async def reward(request: Request):
     """Set the attempt's reward (last write wins while it runs). 404 unknown rollout, 409 stale attempt or a
     rollout that already succeeded or failed (its outcome is final: the trainer may have read it)."""
     st = state_of(request)
-    body: RewardIn = await _parse(request, RewardIn)
-    if not math.isfinite(body.value):  # "inf"/"nan" parse as floats but would be stored as null
-        raise bad_request("invalid body: 'value' must be a finite number")
+    body: RewardIn = await _parse(request, RewardIn)  # a JSON number within ±REWARD_LIMIT (check_reward)
     ident = await resolve_identity(request, st)
 
     def change(r: Rollout) -> None:
@@ -52,10 +49,20 @@ async def reward(request: Request):
 
 @router.post("/events")
 async def events(request: Request):
+    """Append a custom event to the rollout's event stream. 400 for an event over ``EVENT_BYTES_MAX`` bytes of
+    JSON (or a ``type`` over ``EVENT_TYPE_MAX`` characters), 409 once the rollout succeeded or failed (as for
+    rewards and model calls), 429 once it holds ``EVENTS_PER_ROLLOUT_MAX`` events: one harness cannot fill Redis."""
     st = state_of(request)
     body: EventIn = await _parse(request, EventIn)
+    size = len(orjson.dumps(body.data))
+    if size > EVENT_BYTES_MAX:
+        raise bad_request(f"event data is {size} bytes of JSON, more than {EVENT_BYTES_MAX}", "event_too_large")
     ident = await resolve_identity(request, st)
+    check_callable(ident)
     try:
+        if await st.store.count_events(ident.rollout_id) >= EVENTS_PER_ROLLOUT_MAX:
+            raise ApiError(429, f"rollout {ident.rollout_id!r} holds {EVENTS_PER_ROLLOUT_MAX} events, the most it may",
+                           "rate_limit_error", "too_many_events")
         entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data)
     except RedisError:
         raise store_down() from None

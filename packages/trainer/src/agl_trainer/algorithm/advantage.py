@@ -44,7 +44,7 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_st
     Returns:
         ``(R,)`` float32 advantages; 0 for groups of size 1.
     """
-    rewards = rewards.to(torch.float32)
+    rewards = rewards.to(torch.float64)  # computed in float64 (a large reward's sum would overflow float32)
     adv = torch.zeros_like(rewards)
     for g in torch.unique(group_index):
         idx = group_index == g
@@ -57,7 +57,7 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_st
             adv[idx] = centered / (std + eps) if std > 0 else torch.zeros_like(r)
         else:
             adv[idx] = centered
-    return adv
+    return adv.to(torch.float32)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
     Returns:
         ``(R,)`` float32 advantages; 0 for groups of size 1 (no other rollout to form a baseline).
     """
-    rewards = rewards.to(torch.float32)
+    rewards = rewards.to(torch.float64)  # computed in float64 (a large reward's sum would overflow float32)
     adv = torch.zeros_like(rewards)
     for g in torch.unique(group_index):
         idx = group_index == g
@@ -78,7 +78,7 @@ def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
         if n < 2:
             continue
         adv[idx] = r - (r.sum() - r) / (n - 1)
-    return adv
+    return adv.to(torch.float32)
 
 
 def rollout_advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: Estimator = "grpo",

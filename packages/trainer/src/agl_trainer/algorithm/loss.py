@@ -1,7 +1,9 @@
 """The policy loss: clipped PPO on token logprobs, normalized per rollout.
 
 Clipped surrogate (Schulman et al. 2017, "PPO", eq. 7), token level, with ratio
-``rho_t = exp(logp_t - old_logp_t)``::
+``rho_t = exp(clamp(logp_t - old_logp_t, -20, 20))`` (the log-ratio clamped as verl's
+``compute_policy_loss_vanilla`` does: one token whose recorded logprob is far off, e.g. an engine's -9999 floor
+for -inf, would otherwise overflow float32 to an infinite ratio and a NaN gradient)::
 
     pg_t = max(-A * rho_t, -A * clip(rho_t, 1 - clip_low, 1 + clip_high))
 
@@ -32,6 +34,9 @@ from typing import Literal
 import torch
 
 LossAggMode = Literal["rollout-mean", "token-mean", "seq-mean-token-mean"]
+
+#: |log-ratio| above this is clamped before ``exp`` (verl's value): ``exp(20)`` ≈ 4.9e8 is finite in float32
+LOG_RATIO_CLAMP = 20.0
 
 
 def per_rollout_token_weights(response_mask: torch.Tensor, rollout_index: torch.Tensor) -> torch.Tensor:
@@ -98,7 +103,7 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss1 = -advantages * ratio
     loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     pg = torch.maximum(loss1, loss2)

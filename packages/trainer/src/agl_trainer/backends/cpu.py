@@ -16,6 +16,7 @@ then the new policy is served in one of two ways (``serving``):
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -208,7 +209,8 @@ class CpuBackend:
             micro-batch (before any optimizer step of this update: ≈ 1 / 0 unless engine and trainer disagree),
             ``entropy`` (mean token entropy of the policy, nats, over the sampled tokens of the trained rows,
             from the update's own forward passes), ``kl`` (:meth:`kl_to_base` on up to ``kl_sample_rows`` rows, after the update), ``train_tokens`` (sampled tokens trained on),
-            ``updates`` (optimizer steps), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
+            ``updates`` (optimizer steps planned), ``nonfinite_steps`` (of them, not taken: the gradient was
+            NaN/inf; ``grad_norm`` averages the others), ``dropped_rollouts`` / ``dropped_rows`` (past the cap),
             ``update_s`` (seconds).
         Raises:
             KeyboardInterrupt: Ctrl-C or SIGTERM (:mod:`agl_trainer.interrupt`), checked before each micro-batch:
@@ -230,8 +232,10 @@ class CpuBackend:
             losses.append(loss)
             grad_norms.append(norm)
             tokens += n_tokens
+        finite = [g for g in grad_norms if math.isfinite(g)]
         return {"loss": sum(losses) / len(losses), "clip_frac": sum(clip_fracs) / len(clip_fracs),
-                "ratio_mean": sum(ratios) / len(ratios), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "ratio_mean": sum(ratios) / len(ratios), "grad_norm": sum(finite) / max(1, len(finite)),
+                "nonfinite_steps": len(grad_norms) - len(finite),
                 "ratio_first": ratios[0], "clip_frac_first": clip_fracs[0],
                 "entropy": entropy[0] / max(entropy[1], 1.0),
                 "kl": self.kl_to_base([rows[i] for i in plan.kept[: self.kl_sample_rows]]),
@@ -285,7 +289,10 @@ class CpuBackend:
             clip_fracs.append(st["clip_frac"])
             ratios.append(st["ratio_mean"])
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # a NaN/inf gradient would make the adapter NaN for good: this step is not taken (counted)
+            self.optimizer.zero_grad(set_to_none=True)
         return total, float(grad_norm), int(mask_all.sum())
 
     def checkpoint(self, path: Path) -> None:

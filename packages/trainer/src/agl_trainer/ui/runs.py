@@ -54,7 +54,8 @@ def pick(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON objects of a JSON Lines file; a line that does not parse (a half-written last line) is skipped."""
+    """JSON objects of a JSON Lines file; a line that does not parse (a half-written last line) is skipped;
+    ``NaN``/``Infinity`` (written by older runs) read as None, so every page and API answer is valid JSON."""
     out = []
     try:
         text = path.read_text()
@@ -62,7 +63,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return out
     for line in text.splitlines():
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, parse_constant=lambda _: None)
         except ValueError:
             continue
         if isinstance(obj, dict):
@@ -72,7 +73,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(), parse_constant=lambda _: None)
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None

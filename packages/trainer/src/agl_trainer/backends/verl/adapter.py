@@ -192,8 +192,7 @@ def agl_per_rollout_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adv
 
     ``loss_agg_mode`` is ignored: this loss always normalizes per rollout. Clip settings come from the
     actor config (``clip_ratio_low``/``clip_ratio_high``/``clip_ratio``, ``clip_ratio_c``), as verl's
-    vanilla loss reads them. Unlike verl's vanilla loss, the log-ratio is not clamped to ±20 (the CPU
-    backend does not clamp it either).
+    vanilla loss reads them. As in verl's vanilla loss, the log-ratio is clamped to ±20 (``ppo_loss``).
     """
     clip = _cfg(config, "clip_ratio", 0.2)
     clip_low = _cfg(config, "clip_ratio_low", clip)
