@@ -229,6 +229,15 @@ def test_bench_ablation_reads_finished_runs(tmp_path):
     assert "rollout: 2 seed(s), held-out 0.100 ± 0.000 → 0.400 ± 0.100, gain +0.300 ± 0.100" in out.stdout
     assert "sample: 1 seed(s)" in out.stdout and "gain +0.100 ± 0.000" in out.stdout
     assert "40/120" in out.stdout and "Some CPU" in out.stdout and png.stat().st_size > 1000
+    # --study roles: the same runs read as the shared-vs-per-role comparison (a config with roles is per-role)
+    (tmp_path / "run2" / "config.json").write_text(json.dumps({"seed": 0, "roles": {"solver": {"models": ["s"]}}}))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ablation.py"), "--study", "roles", "--runs", *runs,
+                          "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "shared: 2 seed(s)" in out.stdout and "per-role: 1 seed(s)" in out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "ablation.py"), "--study", "roles", "--arms", "sample"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "shared, per-role" in bad.stderr
 
 
 def test_piped_cli_prints_no_progress_bars():

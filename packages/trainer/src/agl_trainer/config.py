@@ -130,7 +130,7 @@ class TrainConfig(BaseModel):
         "the base weights, reloaded in place: plain-weights speed, ~7x the adapter's tokens/s measured here) or "
         "adapter (hot-loaded as policy-vN through vLLM's LoRA path)")
     roles: dict[str, RoleConfig] = Field(
-        default_factory=dict, description="a policy per sub-agent: role name -> how the gateway recognizes its "
+        {}, description="a policy per sub-agent: role name -> how the gateway recognizes its "
         "calls (models: the model names the harness gives it) and its LoRA settings; each role trains its own "
         "adapter from its own rows (cpu backend, policy_serving: adapter); {}: one policy for every call")
     # the model and the services (None: start one)
