@@ -140,3 +140,23 @@ def test_eval_bad_input_is_clear(tmp_path):
     assert res.exit_code == 2 and "no adapter policy-v4" in res.output
     res = CliRunner().invoke(app, ["eval", str(tmp_path / "c.yaml"), "--n", "0"])
     assert res.exit_code == 2 and "--n must be at least 1" in res.output
+
+
+def test_policy_resolution_with_roles(tmp_path):
+    """With roles, vN is each role's newest adapter at or below N (a role skipped at step N serves an older one)."""
+    cfg = TrainConfig.model_validate({"out_dir": str(tmp_path / "runs"), "policy_serving": "adapter",
+                                      "roles": {"solver": {"models": ["s"]}, "checker": {"models": ["c"]}}})
+    run = tmp_path / "runs" / "1201-000000-aaaa"
+    for name in ("policy-v1-solver", "policy-v1-checker", "policy-v2-solver"):
+        (run / "adapters" / name).mkdir(parents=True)
+    p = resolve_policy("v2", cfg)
+    assert {r: n for r, (n, _) in p.roles.items()} == {"solver": "policy-v2-solver", "checker": "policy-v1-checker"}
+    assert sorted(n for n, _ in p.adapters) == ["policy-v1-checker", "policy-v2-solver"]
+    assert p.policy(cfg).roles == {"solver": "policy-v2-solver", "checker": "policy-v1-checker"}
+    assert p.policy(cfg).role_models == {"s": "solver", "c": "checker"} and p.policy(cfg).version == 2
+    base = resolve_policy("base", cfg)
+    assert base.adapters == [] and base.policy(cfg).roles == {"solver": "smollm2", "checker": "smollm2"}
+    with pytest.raises(PolicyNotFound, match="with roles, the policy is base or vN"):
+        resolve_policy(str(run / "adapters" / "policy-v2-solver"), cfg)
+    with pytest.raises(PolicyNotFound, match="no adapter policy-v"):
+        resolve_policy("v0", cfg)

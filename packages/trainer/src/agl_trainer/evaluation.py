@@ -15,7 +15,7 @@ import asyncio
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agl_common.schemas import policy_name, policy_version
@@ -32,22 +32,41 @@ class PolicyNotFound(ValueError):
 @dataclass
 class EvalPolicy:
     """What the engine serves during the evaluation: a served model name, its version, and the adapter
-    directory to hot-load first (None for the base model)."""
+    directory to hot-load first (None for the base model); with roles, each role's served name and adapter
+    directory (None: the base model)."""
 
     model: str
     version: int
     adapter: Path | None = None
+    roles: dict[str, tuple[str, Path | None]] = field(default_factory=dict)
+
+    @property
+    def adapters(self) -> list[tuple[str, Path]]:
+        """Every (served name, directory) to hot-load before the evaluation."""
+        found = [(self.model, self.adapter)] + list(self.roles.values())
+        return [(name, path) for name, path in found if path is not None]
+
+    def policy(self, cfg: TrainConfig):
+        """The :class:`agl_common.schemas.Policy` the gateway routes to (with ``cfg``'s roles)."""
+        return cfg.base_policy().model_copy(update={"model": self.model, "version": self.version,
+                                                    "roles": {r: name for r, (name, _) in self.roles.items()}})
 
 
 def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> EvalPolicy:
     """``base`` → the served base model; ``vN`` → ``adapters/policy-vN`` of ``run_dir`` (default: the newest
     run under ``cfg.out_dir`` that has it); anything else → a PEFT adapter directory (``adapter_config.json``).
 
+    With ``cfg.roles``: ``base`` → every role on the base model; ``vN`` → each role's newest adapter at or below
+    N (``adapters/policy-v{k}-{role}``, the base model for a role never updated by then), in the newest run
+    (or ``run_dir``) that has one; a PATH is refused (a role's adapter is named by the run's versions).
+
     Raises:
         PolicyNotFound: no such adapter (the message names the places searched).
     """
     if spec == "base":
-        return EvalPolicy(cfg.model_name, 0)
+        return EvalPolicy(cfg.model_name, 0, roles={r: (cfg.model_name, None) for r in cfg.roles})
+    if cfg.roles:
+        return _resolve_roles(spec, cfg, run_dir)
     if m := re.fullmatch(r"v(\d+)", spec):
         version = int(m[1])
         name = policy_name(version)
@@ -63,6 +82,26 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
         raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
     version = policy_version(path.name)
     return EvalPolicy(f"eval-{path.name}" if version is None else path.name, version or 0, path.resolve())
+
+
+def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
+    from .backends.roles import newest_saved
+
+    m = re.fullmatch(r"v(\d+)", spec)
+    if not m:
+        raise PolicyNotFound(f"--policy {spec!r}: with roles, the policy is base or vN (each role's adapter of a run)")
+    version = int(m[1])
+    runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
+                                                  key=lambda p: p.name, reverse=True)
+    for run in runs:
+        found = {r: newest_saved(run / "adapters", r, version) for r in cfg.roles}
+        if any(found.values()):
+            return EvalPolicy(cfg.model_name, version, roles={
+                r: (policy_name(v, r), (run / "adapters" / policy_name(v, r)).resolve()) if v else (cfg.model_name, None)
+                for r, v in found.items()})
+    where = str(run_dir / "adapters") if run_dir else f"{cfg.out_dir}/*/adapters"
+    raise PolicyNotFound(f"no adapter policy-v{{k}}-{{role}} with k <= {version} for the roles "
+                         f"{', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
 
 
 def result_table(res: dict, policy: EvalPolicy) -> Table:
@@ -87,7 +126,6 @@ def result_table(res: dict, policy: EvalPolicy) -> Table:
 async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n: int, engine: str, redis_url: str,
                     tag: str, on_progress=None) -> dict:
     from agl_common.control import resume
-    from agl_common.schemas import Policy
     from agl_common.store import Store
 
     from .cycle import load_adapter
@@ -95,12 +133,12 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
     from .tasks import load_is_correct
 
     is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
-    if policy.adapter is not None:
-        await load_adapter(engine, policy.model, policy.adapter)
+    for name, path in policy.adapters:
+        await load_adapter(engine, name, path)
     store = Store(redis_url, cfg.prefix)
     try:
-        await store.set_policy(Policy(model=policy.model, version=policy.version))
-        await resume(store, model=policy.model, version=policy.version)
+        await store.set_policy(policy.policy(cfg))
+        await resume(store, policy=policy.policy(cfg))
         return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, is_correct,
                               on_progress, n=n)
     finally:
@@ -133,7 +171,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
     with Services(eval_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
         # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
-        engine, _ = start_engine(svc, cfg, console, lora=policy.adapter is not None, need_base=False)
+        engine, _ = start_engine(svc, cfg, console, lora=bool(policy.adapters), need_base=False)
         start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
