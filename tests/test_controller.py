@@ -169,7 +169,8 @@ async def test_a_reward_function_that_returns_no_reward_or_exits_is_a_reward_err
     """A ``--reward-fn`` returning NaN or inf left a *succeeded* rollout with reward null (1e39 overflowed the
     advantage), and one calling ``sys.exit()`` ended the whole controller with every run it had in flight."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
-    kinds = ("nan", "inf", "big", "exit", "interrupt", "ok")
+    kinds = ("nan", "inf", "big", "str", "bool", "bytes", "exit", "interrupt", "ok")  # a str, bool or bytes is no
+    # reward either (the gateway refuses them; float() made them 1000.0, 1.0 and 7.0)
     out = await run(store, gateway_url, tmp_path, {k: {"calls": 1, "kind": k} for k in kinds},
                     reward_fn="rewards:hostile")
     for k in kinds[:-1]:

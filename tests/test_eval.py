@@ -147,8 +147,10 @@ def test_policy_resolution_with_roles(tmp_path):
     cfg = TrainConfig.model_validate({"out_dir": str(tmp_path / "runs"), "policy_serving": "adapter",
                                       "roles": {"solver": {"models": ["s"]}, "checker": {"models": ["c"]}}})
     run = tmp_path / "runs" / "1201-000000-aaaa"
-    for name in ("policy-v1-solver", "policy-v1-checker", "policy-v2-solver"):
+    for name in ("policy-v1-solver", "policy-v1-checker", "policy-v2-solver", "policy-v3-checker"):
         (run / "adapters" / name).mkdir(parents=True)
+        if name != "policy-v3-checker":  # v3's is half-written (no adapter_config.json): not an adapter
+            (run / "adapters" / name / "adapter_config.json").write_text("{}")
     p = resolve_policy("v2", cfg)
     assert {r: n for r, (n, _) in p.roles.items()} == {"solver": "policy-v2-solver", "checker": "policy-v1-checker"}
     assert sorted(n for n, _ in p.adapters) == ["policy-v1-checker", "policy-v2-solver"]
@@ -158,5 +160,6 @@ def test_policy_resolution_with_roles(tmp_path):
     assert base.adapters == [] and base.policy(cfg).roles == {"solver": "smollm2", "checker": "smollm2"}
     with pytest.raises(PolicyNotFound, match="with roles, the policy is base or vN"):
         resolve_policy(str(run / "adapters" / "policy-v2-solver"), cfg)
-    with pytest.raises(PolicyNotFound, match="no adapter policy-v"):
-        resolve_policy("v0", cfg)
+    for beyond in ("v0", "v3", "v999999"):  # v0 has no adapter; v3 and later were never completed
+        with pytest.raises(PolicyNotFound, match="no run reached version"):
+            resolve_policy(beyond, cfg)

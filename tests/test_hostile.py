@@ -122,7 +122,7 @@ async def test_events_are_bounded_and_end_with_the_rollout(store, redis_url, pre
     await store.create_rollout(Rollout(rollout_id="e1", status=RolloutStatus.running), enqueue=False)
     await store.create_rollout(Rollout(rollout_id="e2", status=RolloutStatus.succeeded), enqueue=False)
     with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(timeout=60) as c:
             url = f"{gw.url}/rollouts/e1/attempts/0/events"
             big = await c.post(url, json={"type": "t", "data": {"x": "y" * (64 * 1024)}})
             long_type = await c.post(url, json={"type": "t" * 200})
@@ -135,14 +135,14 @@ async def test_events_are_bounded_and_end_with_the_rollout(store, redis_url, pre
     assert [r.status_code for r in ok] == [200, 200, 200]
     assert full.status_code == 429 and full.json()["error"]["code"] == "too_many_events"
     assert done.status_code == 409 and done.json()["error"]["code"] == "rollout_finished"
-    assert await store.count_events("e1") == 3 and await store.count_events("e2") == 0
+    assert len(await store.read_events("e1")) == 3 and await store.read_events("e2") == []
     assert openapi.status_code == 200  # no key: the route list is public, as every route is
     assert EVENTS_PER_ROLLOUT_MAX == 1000
 
 
 async def test_with_a_key_not_even_the_route_list_is_public(store, redis_url, prefix):
     with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url, key="s3cret") as gw:
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(timeout=60) as c:
             assert (await c.get(f"{gw.url}/openapi.json")).status_code == 404
 
 
@@ -160,3 +160,116 @@ def test_metrics_with_nan_stay_json_and_the_run_page_keeps_updating(tmp_path):
     with (run / "metrics.jsonl").open("a") as f:  # what older runs wrote
         f.write('{"step": 2, "loss": NaN, "reward_mean": Infinity}\n')
     json.dumps(load_run(run).to_json(), allow_nan=False)  # what the page polls: valid JSON
+
+
+# ---------------------------------------------------------------------------------------------- round 3
+async def test_ids_outside_any_vocabulary_are_not_kept_and_the_export_holds(store, redis_url, prefix, tmp_path):
+    """The record kept ids of 2**63+5 (recorded error): the Parquet export of the prefix crashed on them."""
+    from fakes import chat_answer
+
+    app = fake_upstream()
+    await store.create_rollout(Rollout(rollout_id="x1", status=RolloutStatus.running), enqueue=False)
+    with Served(app) as up, gateway(redis_url, prefix, up.url) as gw:
+        app.state.plan = ("body", 200, json.dumps(chat_answer("up", [1, 2**63 + 5], [7, 2])).encode())
+        r = httpx.post(f"{gw.url}/rollouts/x1/attempts/0/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    (rec,) = await store.read_calls("x1")
+    assert rec.status == "error" and "out of range" in rec.error and rec.prompt_token_ids == []
+    env = {"AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export", "--format", "parquet", "--out",
+                          str(tmp_path / "x.parquet")], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+async def test_gateway_status_prints_names_escaped(store, redis_url, prefix):
+    """A served model name '[/]' (from an engine's /v1/models or an operator) crashed `gateway status`; an OSC-8
+    link in it reached the terminal."""
+    from agl_common.control import resume
+
+    await resume(store, model="[/]\x1b]8;;http://evil\x1b\\click", version=1)
+    env = {"AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix, "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "gateway", "status"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "\x1b" not in out.stdout and "[/]\\x1b]8;;http://evil" in out.stdout
+
+
+def test_a_policy_that_cannot_route_is_refused_when_made_and_when_read():
+    """An empty served name went to the engine as model "" (recorded as the base model); a resume with model ""
+    was published and silently changed nothing; a control message with bad roles made a replica reconnect."""
+    from agl_common.schemas import ControlCommand, Policy
+
+    for bad in (dict(model=""), dict(model="b", roles={"s": ""}), dict(model="b", roles={"s": "b"},
+                                                                          role_models={"": "s"})):
+        with pytest.raises(ValueError):
+            Policy(**bad)
+    with pytest.raises(ValueError, match="roles travel only with a resume"):
+        ControlCommand(cmd="resume", id="1", roles={"s": "b"})
+    with pytest.raises(ValueError):  # what a replica reads off the channel: refused at parse, so ignored there
+        ControlCommand.model_validate_json(
+            '{"cmd": "resume", "id": "1", "model": "b", "roles": {"s": "b"}, "role_models": {"m": "nobody"}}')
+
+
+async def test_two_role_headers_that_disagree_are_refused(store, redis_url, prefix):
+    from agl_common.control import resume
+    from agl_common.schemas import Policy
+
+    await store.create_rollout(Rollout(rollout_id="h1", status=RolloutStatus.running), enqueue=False)
+    policy = Policy(model="b", roles={"solver": "b", "checker": "b"}, role_models={"s": "solver"})
+    with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
+        await resume(store, policy=policy)
+        url = f"{gw.url}/rollouts/h1/attempts/0/v1/chat/completions"
+        body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient(timeout=60) as c:
+            for _ in range(50):  # the replica applies the resume
+                if (await c.post(url, json=body)).status_code == 400:
+                    break
+            two = await c.post(url, json=body, headers=[("X-AGL-Role", "solver"), ("X-AGL-Role", "checker")])
+            same = await c.post(url, json=body, headers=[("X-AGL-Role", "checker"), ("X-AGL-Role", "checker")])
+    assert two.status_code == 400 and "sent 2 times with different values" in two.text
+    assert same.status_code == 200
+
+
+async def test_concurrent_events_cannot_pass_the_cap(store, redis_url, prefix, monkeypatch):
+    """The count was read, then the event added: 60 concurrent posts at 990 events left 1008."""
+    import asyncio
+
+    import agl_gateway.routes.rollouts as routes
+
+    monkeypatch.setattr(routes, "EVENTS_PER_ROLLOUT_MAX", 5)
+    await store.create_rollout(Rollout(rollout_id="c1", status=RolloutStatus.running), enqueue=False)
+    with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            got = await asyncio.gather(*(c.post(f"{gw.url}/rollouts/c1/attempts/0/events", json={"type": "t"})
+                                         for _ in range(30)))
+    assert sorted(r.status_code for r in got) == [200] * 5 + [429] * 25
+    assert len(await store.read_events("c1")) == 5
+
+
+def test_ui_with_a_bad_prefix_is_one_line(redis_url):
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "ui", "--prefix", "a{b", "--tokenizer", "none"],
+                         capture_output=True, text=True, timeout=60, env={"AGL_REDIS_URL": redis_url,
+                                                                         "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "invalid --redis / --prefix" in out.stderr
+
+
+def test_roles_that_no_run_could_use_and_a_resume_with_other_roles(tmp_path):
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.run import NotResumable, check_resumable
+
+    base = {"policy_serving": "adapter"}
+    for roles, says in (({f"r{i}": {} for i in range(17)}, "at most 16"),
+                        ({"Solver": {}, "solver": {}}, "differ only in case"),
+                        ({"a": {"models": [" s"]}}, "without surrounding spaces"),
+                        ({"a": {"models": ["s" * 300]}}, "1 to 256")):
+        with pytest.raises(ValueError, match=says):
+            TrainConfig.model_validate({**base, "roles": roles})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"roles": {"solver": {}, "checker": {}}}))
+    check_resumable(TrainConfig.model_validate({**base, "roles": {"checker": {}, "solver": {}}}), run)
+    with pytest.raises(NotResumable, match="trained with roles"):
+        check_resumable(TrainConfig(), run)
+    with pytest.raises(NotResumable):
+        check_resumable(TrainConfig.model_validate({**base, "roles": {"solver": {}}}), run)

@@ -18,4 +18,5 @@ def hostile(inp: dict, output: str):
         sys.exit(3)
     if kind == "interrupt":
         raise KeyboardInterrupt
-    return {"nan": float("nan"), "inf": float("inf"), "big": 1e39, "ok": 0.5}[kind]
+    return {"nan": float("nan"), "inf": float("inf"), "big": 1e39, "str": "1_000", "bool": True, "bytes": b"7",
+            "ok": 0.5}[kind]

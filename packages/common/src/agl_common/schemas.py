@@ -8,6 +8,7 @@ Field names follow ``docs/contract.md`` section 3.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import time
 from enum import Enum
@@ -163,14 +164,17 @@ EVENT_BYTES_MAX = 64 * 1024
 EVENTS_PER_ROLLOUT_MAX = 1000
 
 
-def check_reward(value: float) -> float:
-    """Return ``value`` if it can be a reward: a finite number with ``|value| <=`` :data:`REWARD_LIMIT`; else
-    ``ValueError`` saying why (NaN and inf would be stored as null; a huge one overflows the advantage)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_reward(value: Any) -> float:
+    """``value`` as a float if it can be a reward: a real number (``int``, ``float``, a NumPy scalar; not a bool,
+    a string or bytes), finite, with ``|value| <=`` :data:`REWARD_LIMIT`; else ``ValueError`` saying why (NaN
+    and inf would be stored as null; a huge one overflows the advantage). The gateway's reward route and the
+    controller's ``--reward-fn`` both use it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"a reward must be a number, got {type(value).__name__}")
+    value = float(value)
     if not math.isfinite(value) or abs(value) > REWARD_LIMIT:
         raise ValueError(f"a reward must be a finite number within ±{REWARD_LIMIT:g}, got {value!r}")
-    return float(value)
+    return value
 
 
 class RewardIn(BaseModel):
@@ -225,10 +229,18 @@ class ControlCommand(BaseModel):
     roles: dict[str, str] = Field(default_factory=dict)
     role_models: dict[str, str] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _a_policy_or_none(self) -> "ControlCommand":
+        if (self.roles or self.role_models) and (self.cmd != "resume" or self.model is None):
+            raise ValueError("roles travel only with a resume that names a model")
+        self.policy()  # a resume's policy must be valid: refused when built and when parsed, never applied half
+        return self
+
     def policy(self) -> "Policy | None":
         """The policy a resume with a ``model`` switches to (None for any other command); raises
-        ``pydantic.ValidationError`` for roles that do not fit together."""
-        if self.cmd != "resume" or not self.model:
+        ``pydantic.ValidationError`` for a policy that is not valid (an empty model name, roles that do not fit
+        together)."""
+        if self.cmd != "resume" or self.model is None:
             return None
         return Policy(model=self.model, version=self.version or 0, roles=self.roles, role_models=self.role_models)
 
@@ -271,15 +283,19 @@ class Policy(BaseModel):
     its role. One ``version`` covers every role (the step that published it). See :func:`route_call`.
     """
 
-    model: str
+    model: str = Field(min_length=1)
     version: PolicyVersion = 0
     roles: dict[str, str] = Field(default_factory=dict)
     role_models: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _roles_are_consistent(self) -> "Policy":
-        for role in self.roles:
+        for role, served in self.roles.items():
             check_role_name(role)
+            if not served:
+                raise ValueError(f"role {role!r} has an empty served model name")
+        if "" in self.role_models:
+            raise ValueError("role_models holds an empty model name")
         unknown = sorted({r for r in self.role_models.values() if r not in self.roles})
         if unknown:
             raise ValueError(f"role_models names roles that are not in roles: {unknown}")

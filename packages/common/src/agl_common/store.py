@@ -101,6 +101,12 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 #: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
 #: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
 #: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
+#: Append an event unless the stream holds ARGV[2] already (one step: concurrent posts cannot pass the cap).
+_ADD_EVENT = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[2]) then return false end
+return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+"""
+
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then
@@ -225,6 +231,7 @@ class Store:
         self.wait_timeout_ms = wait_timeout_ms
         self.r: aioredis.Redis | RedisCluster = connect(redis_url, max_connections)
         self._record_script = self.r.register_script(_RECORD_CALL)
+        self._event_script = self.r.register_script(_ADD_EVENT)
         self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
         self._layout_ok = False
 
@@ -513,14 +520,19 @@ class Store:
         """How many call records the rollout's stream holds, all attempts together (XLEN; 0 if none)."""
         return int(await self.r.xlen(self.rollout_key("calls", rollout_id)))
 
-    async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any]) -> str:
+    async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any],
+                        max_events: int | None = None) -> str | None:
+        """Append an event to the rollout's stream; returns its entry id, or None (nothing written) when the stream
+        holds ``max_events`` already (checked and appended in one step)."""
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
-        entry_id = await self.r.xadd(self.rollout_key("events", rollout_id), {"d": body})
-        return entry_id.decode()
-
-    async def count_events(self, rollout_id: str) -> int:
-        """How many events the rollout's stream holds (every attempt's)."""
-        return int(await self.r.xlen(self.rollout_key("events", rollout_id)))
+        key = self.rollout_key("events", rollout_id)
+        if max_events is None:
+            entry_id = await self.r.xadd(key, {"d": body})
+        else:
+            entry_id = await self._event_script(keys=[key], args=[body, max_events])
+            if entry_id is None:
+                return None
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def read_events(self, rollout_id: str) -> list[dict[str, Any]]:
         entries = await self.r.xrange(self.rollout_key("events", rollout_id))

@@ -258,7 +258,7 @@ class Runner:
                 # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
                 # other runs' outcomes): a frozen loop let the lease expire and another controller end them
                 value = await asyncio.to_thread(
-                    lambda: check_reward(float(self.reward_fn(rollout.input, final_output(calls)))))
+                    lambda: check_reward(self.reward_fn(rollout.input, final_output(calls))))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - a reward function's sys.exit() must not end the controller

@@ -44,10 +44,14 @@ def presented_key(request: Request) -> str | None:
 
 
 def header(request: Request, name: str) -> str | None:
-    """The value of header ``name`` as UTF-8 text (None if absent); ``ApiError`` 400 if it is not UTF-8."""
-    value = request.headers.get(name)
-    if value is None:
+    """The value of header ``name`` as UTF-8 text (None if absent); ``ApiError`` 400 if it is not UTF-8, or sent
+    twice with different values (which one a proxy or a framework keeps is anyone's guess)."""
+    values = request.headers.getlist(name)
+    if not values:
         return None
+    if len(set(values)) > 1:
+        raise bad_request(f"header {name} sent {len(values)} times with different values", "invalid_header")
+    value = values[0]
     try:
         return value.encode("latin-1").decode("utf-8")
     except UnicodeError:  # (every str Starlette gives encodes to Latin-1: it decoded it so)

@@ -10,7 +10,7 @@ import orjson
 from agl_common.schemas import CallRecord, Policy
 from redis.exceptions import RedisError
 
-from .capture import Captured, check
+from .capture import TOKEN_ID_LIMIT, Captured, check
 from .errors import ApiError, store_down
 from .state import GatewayState
 
@@ -24,7 +24,7 @@ def new_record(rollout_id: str, attempt_id: str, route: str, body: dict[str, Any
     return {"rollout_id": rollout_id, "attempt_id": attempt_id, "seq": -1, "route": route,
             "request": body, "response": None, "prompt_token_ids": [], "response_token_ids": [],
             "response_logprobs": None, "finish_reason": None, "model_version": policy.version,
-            "model": served or policy.model, "role": role, "latency_ms": 0.0, "status": "ok", "error": None, "started_at": time.time(),
+            "model": policy.model if served is None else served, "role": role, "latency_ms": 0.0, "status": "ok", "error": None, "started_at": time.time(),
             "ended_at": 0.0}
 
 
@@ -34,7 +34,11 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
     :func:`check` finds wrong with the capture (never trained on), else ``ok``. ``t0``: perf_counter at
     the upstream call's start (for ``latency_ms``)."""
     rec["response"] = response
-    rec["prompt_token_ids"], rec["response_token_ids"] = cap.prompt_token_ids, cap.response_token_ids
+    ids_fit = all(0 <= t < TOKEN_ID_LIMIT for t in (*cap.prompt_token_ids, *cap.response_token_ids))
+    # ids outside any vocabulary are not kept (the error names the first): a record stays writable as int64
+    # everywhere (Parquet, torch), and it is an error record, never trained on
+    rec["prompt_token_ids"], rec["response_token_ids"] = ((cap.prompt_token_ids, cap.response_token_ids) if ids_fit
+                                                          else ([], []))
     rec["response_logprobs"], rec["finish_reason"] = cap.response_logprobs, cap.finish_reason
     error = error or check(cap)
     if error:

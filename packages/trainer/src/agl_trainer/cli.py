@@ -90,12 +90,15 @@ def _check_task(cfg, train: bool = True) -> None:
 
 
 def _run(cfg, resume_dir: Path | None = None) -> None:
-    from .run import run_training
+    from .run import NotResumable, run_training
 
     _check_task(cfg)
     _sigterm_as_interrupt()
     try:
         run_training(cfg, console, resume_dir)
+    except NotResumable as exc:
+        err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")
         raise typer.Exit(130) from None
@@ -262,7 +265,11 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
     except FileNotFoundError as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
-    app_ = create_app(redis, prefix, runs_dir, decoder)
+    try:
+        app_ = create_app(redis, prefix, runs_dir, decoder)
+    except ValueError as exc:  # a Redis URL or prefix the Store refuses
+        err.print(f"[red]invalid --redis / --prefix[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redacted_url(redis)} "
                   f"prefix {prefix!r}; Ctrl-C stops it)", soft_wrap=True)
@@ -405,9 +412,10 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
         k = trace.row_of_call.get((c.attempt_id, c.seq))
         into = f" → row {k}" if k is not None else (" (not trained: an earlier attempt)" if c.attempt_id !=
                                                       rollout.attempt_id else " (not trained: unusable)")
-        console.print(escape(f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
-                             f"response={len(c.response_token_ids)} tokens, v{c.model_version}"
-                             + (f" role {c.role} ({c.model})" if c.role else "") + f", {c.latency_ms:.0f} ms{into}"))
+        console.print(escape(printable(
+            f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
+            f"response={len(c.response_token_ids)} tokens, v{c.model_version}"
+            + (f" role {c.role} ({c.model})" if c.role else "") + f", {c.latency_ms:.0f} ms{into}")))
     for r in rows:
         b = r["merge_break"]
         why = (f"merge break before it: {b['class']} at token {b['position']} (call {b['seq']}'s prompt of "
@@ -560,12 +568,16 @@ def gateway_status(redis: str = RedisOpt, prefix: str = PrefixOpt):
             await store.close()
 
     replicas, policy = asyncio.run(main())
-    console.print(f"policy: {policy.model if policy else '-'} (v{policy.version if policy else 0})")
+    shown = lambda x: escape(printable(str(x)))  # noqa: E731 - names come from engines and operators
+    console.print(f"policy: {shown(policy.model) if policy else '-'} (v{policy.version if policy else 0})"
+                  + ("; roles: " + ", ".join(f"{shown(r)} → {shown(m)}" for r, m in policy.roles.items())
+                     if policy and policy.roles else ""))
     table = Table()
     for col in ("replica", "paused", "in flight", "held", "model"):
         table.add_column(col)
     for r in replicas:
-        table.add_row(r.replica_id, str(r.paused), str(r.in_flight), str(r.held), f"{r.model} v{r.version}")
+        table.add_row(shown(r.replica_id), str(r.paused), str(r.in_flight), str(r.held),
+                      shown(f"{r.model} v{r.version}"))
     console.print(table)
 
 

@@ -16,6 +16,10 @@ from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix,
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+#: Most roles a run may declare.
+MAX_ROLES = 16
+
+
 class RoleConfig(BaseModel):
     """One role of a multi-agent harness (a sub-agent with its own policy): how the gateway recognizes its
     calls, and its LoRA settings where they differ from the run's."""
@@ -33,8 +37,9 @@ class RoleConfig(BaseModel):
     @classmethod
     def _names(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not name.strip():
-                raise ValueError("a role's model name must not be empty")
+            if not name.strip() or name != name.strip() or len(name) > 256 or not name.isprintable():
+                raise ValueError(f"a role's model name is 1 to 256 printable characters without surrounding spaces, "
+                                 f"got {name!r:.80}")
         return v
 
 
@@ -161,9 +166,16 @@ class TrainConfig(BaseModel):
     def _roles_can_be_routed(self) -> "TrainConfig":
         if not self.roles:
             return self
+        if len(self.roles) > MAX_ROLES:
+            raise ValueError(f"{len(self.roles)} roles: at most {MAX_ROLES} (each holds a copy of the base model and "
+                             "two engine LoRA slots)")
         owner: dict[str, str] = {}
+        folded: dict[str, str] = {}
         for role, rc in self.roles.items():
             check_role_name(role)
+            if role.lower() in folded:  # their adapter directories would collide on a case-insensitive disk
+                raise ValueError(f"roles {folded[role.lower()]!r} and {role!r} differ only in case")
+            folded[role.lower()] = role
             for name in rc.models:
                 if name in owner and owner[name] != role:
                     raise ValueError(f"model name {name!r} is given to two roles ({owner[name]}, {role}): the "

@@ -85,7 +85,7 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
 
 
 def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
-    from .backends.roles import newest_saved
+    from .backends.roles import newest_saved, saved_versions
 
     m = re.fullmatch(r"v(\d+)", spec)
     if not m:
@@ -94,14 +94,17 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
     runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
                                                   key=lambda p: p.name, reverse=True)
     for run in runs:
+        newest = max((v for r in cfg.roles for v in saved_versions(run / "adapters", r)), default=0)
+        if version > newest:  # not a version this run reached
+            continue
         found = {r: newest_saved(run / "adapters", r, version) for r in cfg.roles}
         if any(found.values()):
             return EvalPolicy(cfg.model_name, version, roles={
                 r: (policy_name(v, r), (run / "adapters" / policy_name(v, r)).resolve()) if v else (cfg.model_name, None)
                 for r, v in found.items()})
     where = str(run_dir / "adapters") if run_dir else f"{cfg.out_dir}/*/adapters"
-    raise PolicyNotFound(f"no adapter policy-v{{k}}-{{role}} with k <= {version} for the roles "
-                         f"{', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
+    raise PolicyNotFound(f"no run reached version {version} with an adapter policy-v{{k}}-{{role}} (k <= {version}) "
+                         f"for the roles {', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
 
 
 def result_table(res: dict, policy: EvalPolicy) -> Table:

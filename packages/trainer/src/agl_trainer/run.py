@@ -41,6 +41,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     state = load_checkpoint(run_dir) if resume_dir else None
     if resume_dir and state is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
+    if state is not None:
+        check_resumable(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
@@ -75,6 +77,25 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                     asyncio.run(backend.serve(0))
                 except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
                     console.print(f"could not give the engine its base weights back: {escape(str(exc))}")
+
+
+class NotResumable(ValueError):
+    """The run directory was trained with settings the checkpoint cannot be restored into."""
+
+
+def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
+    """Raise :class:`NotResumable` if ``cfg``'s roles differ from those the run at ``run_dir`` was trained with
+    (its ``config.json``): each role's weights and optimizer are in ``checkpoint/{role}``. Checked before any
+    service starts."""
+    import json
+
+    try:
+        before = json.loads((run_dir / "config.json").read_text()).get("roles") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config: the checkpoint itself says what is missing
+    if sorted(before) != sorted(cfg.roles):
+        raise NotResumable(f"{run_dir} was trained with roles {sorted(before) or 'none'}, this config has "
+                           f"{sorted(cfg.roles) or 'none'}: resume it with the roles it was trained with")
 
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):

@@ -32,11 +32,12 @@ async def completions(request: Request):
 
 @router.get("/models")
 async def models(request: Request):
-    """The served model name (and, with roles, the model names the harness gives each role). With a key configured: the admin key, or the scoped key of the rollout
+    """The served model name (with roles: the model names the harness gives each role). With a key configured: the admin key, or the scoped key of the rollout
     attempt named by the path or the ``X-AGL-Rollout-Id`` (and optional ``X-AGL-Attempt-Id``) headers,
     checked as a model call's key is. Unknown until an engine answers: 502."""
     st = state_of(request)
     await authorize(request, st)
     policy = await current_policy(st)
-    names = [st.settings.model or policy.model] + sorted(policy.role_models)  # and each role's model names
+    # with roles, the names a call may ask for are the roles' model names (any other gets 400 unknown_role)
+    names = sorted(policy.role_models) if policy.roles else [st.settings.model or policy.model]
     return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "agl"} for n in names]}

@@ -60,10 +60,11 @@ async def events(request: Request):
     ident = await resolve_identity(request, st)
     check_callable(ident)
     try:
-        if await st.store.count_events(ident.rollout_id) >= EVENTS_PER_ROLLOUT_MAX:
-            raise ApiError(429, f"rollout {ident.rollout_id!r} holds {EVENTS_PER_ROLLOUT_MAX} events, the most it may",
-                           "rate_limit_error", "too_many_events")
-        entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data)
+        entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data,
+                                         max_events=EVENTS_PER_ROLLOUT_MAX)
     except RedisError:
         raise store_down() from None
+    if entry is None:
+        raise ApiError(429, f"rollout {ident.rollout_id!r} holds {EVENTS_PER_ROLLOUT_MAX} events, the most it may",
+                       "rate_limit_error", "too_many_events")
     return {"id": entry}

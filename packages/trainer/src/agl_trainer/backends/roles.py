@@ -125,9 +125,14 @@ class RolesBackend:
             backend.restore(Path(path) / role)
 
 
-def newest_saved(out_dir: Path, role: str, version: int) -> int:
-    """The newest version ``v <= version`` with an adapter ``{out_dir}/policy-v{v}-{role}`` saved (0: none)."""
+def saved_versions(out_dir: Path, role: str) -> list[int]:
+    """The versions of ``role`` with a complete adapter saved in ``out_dir`` (``policy-v{v}-{role}`` holding
+    ``adapter_config.json``: a directory left half-written by a kill is not one), ascending."""
     pattern = re.compile(rf"policy-v(\d+)-{re.escape(role)}")
-    found = [int(m[1]) for p in Path(out_dir).glob(f"policy-v*-{role}")
-             if (m := pattern.fullmatch(p.name)) and int(m[1]) <= version]
-    return max(found, default=0)
+    return sorted(int(m[1]) for p in Path(out_dir).glob(f"policy-v*-{role}")
+                  if (m := pattern.fullmatch(p.name)) and (p / "adapter_config.json").is_file())
+
+
+def newest_saved(out_dir: Path, role: str, version: int) -> int:
+    """The newest version ``v <= version`` of :func:`saved_versions` (0: none, the base model)."""
+    return max((v for v in saved_versions(out_dir, role) if v <= version), default=0)
