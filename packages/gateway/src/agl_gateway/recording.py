@@ -39,7 +39,8 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
     # everywhere (Parquet, torch), and it is an error record, never trained on
     rec["prompt_token_ids"], rec["response_token_ids"] = ((cap.prompt_token_ids, cap.response_token_ids) if ids_fit
                                                           else ([], []))
-    rec["response_logprobs"], rec["finish_reason"] = cap.response_logprobs, cap.finish_reason
+    rec["response_logprobs"] = cap.response_logprobs if ids_fit else None  # (aligned with the ids, or none)
+    rec["finish_reason"] = cap.finish_reason
     error = error or check(cap)
     if error:
         rec["status"], rec["error"] = "error", error
