@@ -273,3 +273,25 @@ def test_roles_that_no_run_could_use_and_a_resume_with_other_roles(tmp_path):
         check_resumable(TrainConfig(), run)
     with pytest.raises(NotResumable):
         check_resumable(TrainConfig.model_validate({**base, "roles": {"solver": {}}}), run)
+
+
+# ---------------------------------------------------------------------------------------------- round 4
+def test_an_attempt_id_is_a_short_decimal(redis_url, prefix):
+    """`--open` took an attempt id of 4400 digits; reading its calls then failed (Python's int() limit) for
+    `rollouts show`, the whole prefix's export and the dashboard page."""
+    from agl_common.schemas import check_attempt_id
+
+    with pytest.raises(ValueError, match="1 to 9 digits"):
+        Rollout(rollout_id="r", attempt_id="1" + "0" * 4400)
+    for ok in ("0", "1", "123456789"):
+        assert check_attempt_id(ok) == ok
+    for bad in ("01", "1234567890", "²", "-1", ""):
+        with pytest.raises(ValueError):
+            check_attempt_id(bad)
+    with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url, open=True) as gw:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        long_path = httpx.post(f"{gw.url}/rollouts/big/attempts/1{'0' * 4400}/v1/chat/completions", json=body)
+        long_header = httpx.post(f"{gw.url}/v1/chat/completions", json=body,
+                                 headers={"X-AGL-Rollout-Id": "big", "X-AGL-Attempt-Id": "1" + "0" * 20})
+    assert long_path.status_code == 400 and long_path.json()["error"]["code"] == "invalid_attempt"
+    assert long_header.status_code == 400 and long_header.json()["error"]["code"] == "invalid_attempt"

@@ -77,6 +77,21 @@ def check_rollout_id(rollout_id: str, what: str = "rollout id") -> str:
     return rollout_id
 
 
+#: Most digits of an attempt id (a rollout is retried a handful of times, never 10**9).
+ATTEMPT_ID_MAX_DIGITS = 9
+
+
+def check_attempt_id(attempt_id: str) -> str:
+    """Return ``attempt_id`` if it names an attempt: a canonical decimal (ASCII digits, no leading zero: ``0``,
+    ``1``, ``12``; ``01``, ``²`` and ``٣`` are not) of at most :data:`ATTEMPT_ID_MAX_DIGITS` digits; else
+    ``ValueError``."""
+    if not (isinstance(attempt_id, str) and attempt_id.isascii() and attempt_id.isdigit()
+            and (attempt_id == "0" or attempt_id[0] != "0") and len(attempt_id) <= ATTEMPT_ID_MAX_DIGITS):
+        raise ValueError(f"attempt id must be a decimal of 1 to {ATTEMPT_ID_MAX_DIGITS} digits without leading zeros, "
+                         f"got {attempt_id!r:.40}")
+    return attempt_id
+
+
 class Rollout(BaseModel):
     """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group."""
 
@@ -98,6 +113,11 @@ class Rollout(BaseModel):
     @classmethod
     def _group_id(cls, v: str | None) -> str | None:
         return v if v is None else check_rollout_id(v, "group id")
+
+    @field_validator("attempt_id")
+    @classmethod
+    def _attempt_id(cls, v: str) -> str:
+        return check_attempt_id(v)
 
 
 class GroupInfo(BaseModel):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from agl_common.auth import key_allows
-from agl_common.schemas import TERMINAL, Rollout, RolloutStatus, check_rollout_id
+from agl_common.schemas import TERMINAL, Rollout, RolloutStatus, check_attempt_id, check_rollout_id
 from agl_common.store import RolloutNotFound
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -72,9 +72,11 @@ def named_attempt(request: Request) -> tuple[str | None, str | None]:
             check_rollout_id(rid)
         except ValueError as exc:
             raise bad_request(str(exc), "invalid_rollout") from None
-    # ASCII digits only ("²" and "٣" are str.isdigit), no leading zero ("01" is not attempt 1's name)
-    if aid is not None and not (aid.isascii() and aid.isdigit() and (aid == "0" or aid[0] != "0")):
-        raise bad_request(f"attempt id must be a decimal without leading zeros, got {aid!r}", "invalid_attempt")
+    if aid is not None:
+        try:
+            check_attempt_id(aid)
+        except ValueError as exc:
+            raise bad_request(str(exc), "invalid_attempt") from None
     return rid or None, aid
 
 
