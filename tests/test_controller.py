@@ -169,10 +169,52 @@ async def test_a_reward_function_that_returns_no_reward_or_exits_is_a_reward_err
     """A ``--reward-fn`` returning NaN or inf left a *succeeded* rollout with reward null (1e39 overflowed the
     advantage), and one calling ``sys.exit()`` ended the whole controller with every run it had in flight."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
-    kinds = ("nan", "inf", "big", "str", "bool", "bytes", "exit", "interrupt", "ok")  # a str, bool or bytes is no
+    kinds = ("nan", "inf", "big", "str", "bool", "bytes", "exit", "interrupt", "generator_exit", "hang", "ok")  # a str, bool or bytes is no
     # reward either (the gateway refuses them; float() made them 1000.0, 1.0 and 7.0)
+    # (GeneratorExit left the rollout running; a hung one held it, and the controller ignored SIGTERM, for good:
+    # a reward function gets a run's time at most, in a daemon thread that holds no exit)
     out = await run(store, gateway_url, tmp_path, {k: {"calls": 1, "kind": k} for k in kinds},
-                    reward_fn="rewards:hostile")
+                    reward_fn="rewards:hostile", timeout_s=10)
     for k in kinds[:-1]:
         assert (out[k].status, out[k].failure, out[k].reward) == (RolloutStatus.failed, "reward_error", None), k
     assert out["ok"].status == RolloutStatus.succeeded and out["ok"].reward == 0.5
+
+
+async def test_an_env_map_that_cannot_be_an_environment_fails_the_run_and_never_hides_the_contract(
+        store, gateway_url, tmp_path):
+    """A NUL in a mapped value (or '=' in a name) raised outside the spawn failure path: the rollout stayed running
+    until controller_lost; an env_map could overwrite OPENAI_BASE_URL."""
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path / "logs")
+    env_out = tmp_path / "env.json"
+    await store.create_rollout(Rollout(rollout_id="nul", input={"v": "a\x00b", "calls": 1},
+                                       env_map={"TASK_CALLS": "calls", "BAD": "v"}))
+    await store.create_rollout(Rollout(rollout_id="eq", input={"v": "x", "calls": 1},
+                                       env_map={"TASK_CALLS": "calls", "A=B": "v"}))
+    await store.create_rollout(Rollout(rollout_id="hide", input={"v": "http://evil/v1", "calls": 1, "reward": 1.0,
+                                                                 "env_out": str(env_out)},
+                                       env_map={"TASK_CALLS": "calls", "OPENAI_BASE_URL": "v"}))
+    ids = [await store.pop_queued() for _ in range(3)]
+    await asyncio.gather(*(runner.run_one(rid) for rid in ids))
+    for rid in ("nul", "eq"):
+        r = await store.get_rollout(rid)
+        assert (r.status, r.failure) == (RolloutStatus.failed, "spawn_error"), rid
+    assert json.loads(env_out.read_text())["OPENAI_BASE_URL"].startswith(gateway_url)
+
+
+def test_a_hung_reward_function_holds_no_exit():
+    """It ran through asyncio.to_thread: asyncio.run (the controller's main) joins that pool at exit, so a reward
+    function that never returned made the controller ignore SIGTERM for good."""
+    import time
+
+    from agl_controller.base import RewardFunctionError, in_daemon_thread
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(in_daemon_thread(lambda: time.sleep(3600)), 0.2)
+        with pytest.raises(RewardFunctionError, match="GeneratorExit"):
+            await in_daemon_thread(lambda: (_ for _ in ()).throw(GeneratorExit))
+        assert await in_daemon_thread(lambda: 0.5) == 0.5
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - t0 < 10

@@ -18,5 +18,9 @@ def hostile(inp: dict, output: str):
         sys.exit(3)
     if kind == "interrupt":
         raise KeyboardInterrupt
+    if kind == "generator_exit":
+        raise GeneratorExit
+    if kind == "hang":
+        time.sleep(3600)
     return {"nan": float("nan"), "inf": float("inf"), "big": 1e39, "str": "1_000", "bool": True, "bytes": b"7",
             "ok": 0.5}[kind]

@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -41,6 +42,34 @@ RewardFn = Callable[[dict[str, Any], str], float]
 
 #: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
 #: An entry matches the reason itself or any ``entry:...`` (``signal`` matches ``signal:15``).
+class RewardFunctionError(RuntimeError):
+    """The ``--reward-fn`` raised (whatever it raised, ``SystemExit`` and ``GeneratorExit`` included)."""
+
+
+def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """``fn()`` in a daemon thread of its own, as a future of the running loop: its result, or
+    :class:`RewardFunctionError` for anything it raised. A call that never returns holds no executor and no
+    interpreter exit (``asyncio.to_thread``'s pool is joined at shutdown, so a hung reward function made the
+    controller ignore SIGTERM); await it with a timeout."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, fn())
+        except BaseException as exc:  # noqa: BLE001 - reported, never raised in the loop as it is
+            outcome = (False, RewardFunctionError(f"{type(exc).__name__}: {exc}"[:300]))
+        with contextlib.suppress(RuntimeError):  # the loop is gone (the controller stopped meanwhile)
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="reward-fn", daemon=True).start()
+    return future
+
+
 DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controller_lost", "evicted",
                     "deadline_exceeded", "job_lost")
 
@@ -120,7 +149,7 @@ class Runner:
 
     def __init__(self, store: Store, reward_fn: str | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0):
+                 lease_ttl_s: float = 15.0, reward_timeout_s: float = 300.0):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if not lease_ttl_s > 0:
@@ -131,6 +160,7 @@ class Runner:
         self.retry_on = check_retry_on(retry_on)
         self.controller_id = controller_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
+        self.reward_timeout_s = reward_timeout_s
 
     # ---------------------------------------------------------------- lease and recovery
     async def lease_loop(self, stop: asyncio.Event) -> None:
@@ -257,11 +287,10 @@ class Runner:
             try:
                 # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
                 # other runs' outcomes): a frozen loop let the lease expire and another controller end them
-                value = await asyncio.to_thread(
-                    lambda: check_reward(self.reward_fn(rollout.input, final_output(calls))))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - a reward function's sys.exit() must not end the controller
+                value = check_reward(await asyncio.wait_for(
+                    in_daemon_thread(lambda: self.reward_fn(rollout.input, final_output(calls))),
+                    self.reward_timeout_s))
+            except (RewardFunctionError, ValueError, TimeoutError) as exc:  # TimeoutError: past reward_timeout_s
                 log.warning("reward function failed on %s: %r", rollout_id, exc)
                 failure = "reward_error"
             else:

@@ -327,7 +327,8 @@ class K8sRunner(Runner):
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
                  lease_ttl_s: float = 15.0):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
-                         controller_id=controller_id, lease_ttl_s=lease_ttl_s)
+                         controller_id=controller_id, lease_ttl_s=lease_ttl_s,
+                         reward_timeout_s=timeout_s or 300.0)  # a reward function gets a run's time at most
         from kubernetes import client
 
         self.renderer = JobRenderer(template, gateway_url, model, key=key, namespace=namespace,

@@ -81,11 +81,12 @@ def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None)
         "AGL_INPUT": json.dumps(rollout.input),
         "AGL_MODEL": model,
     }
+    mapped = {}
     for var, field in rollout.env_map.items():
         value = rollout.input.get(field)
         if value is not None:
-            env[var] = value if isinstance(value, str) else json.dumps(value)
-    return env
+            mapped[var] = value if isinstance(value, str) else json.dumps(value)
+    return {**mapped, **env}  # the contract's variables are never overwritten by an env_map
 
 
 def _outcome(returncode: int) -> str | None:
@@ -127,7 +128,8 @@ class LocalRunner(Runner):
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
                  lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = ()):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
-                         controller_id=controller_id, lease_ttl_s=lease_ttl_s)
+                         controller_id=controller_id, lease_ttl_s=lease_ttl_s,
+                         reward_timeout_s=timeout_s)  # a reward function gets a run's time at most
         self.gateway_url = gateway_url
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
         self.launcher = Launcher(self.command, preload)
@@ -223,7 +225,7 @@ class LocalRunner(Runner):
         failure: str | None = None
         try:
             proc = await self.launcher.start(env, self.cwd, log_path)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an environment that cannot be one (NUL, "=" in a name)
             log.warning("cannot start %s: %s", self.command, exc)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
         self._procs[rollout_id] = proc
