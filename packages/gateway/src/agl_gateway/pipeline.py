@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import Request
 from agl_common.schemas import Policy, UnknownRole, route_call
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from . import translate

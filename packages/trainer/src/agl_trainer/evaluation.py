@@ -70,18 +70,25 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
     if m := re.fullmatch(r"v(\d+)", spec):
         version = int(m[1])
         name = policy_name(version)
-        runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
-                                                      key=lambda p: p.name, reverse=True)
+        runs, where = _runs(cfg, run_dir)
         for run in runs:
             if (run / "adapters" / name / "adapter_config.json").exists():
                 return EvalPolicy(name, version, (run / "adapters" / name).resolve())
-        where = str(run_dir / "adapters") if run_dir else f"{cfg.out_dir}/*/adapters"
         raise PolicyNotFound(f"no adapter {name} in {where}; give --run RUN_DIR, or a PATH to an adapter directory")
     path = Path(spec)
     if not (path / "adapter_config.json").exists():
         raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
     version = policy_version(path.name)
     return EvalPolicy(f"eval-{path.name}" if version is None else path.name, version or 0, path.resolve())
+
+
+def _runs(cfg: TrainConfig, run_dir: Path | None) -> tuple[list[Path], str]:
+    """The run directories to look for adapters in, newest first (``run_dir`` alone if given), and how to name
+    where they were looked for in an error."""
+    if run_dir:
+        return [Path(run_dir)], str(Path(run_dir) / "adapters")
+    runs = sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+    return runs, f"{cfg.out_dir}/*/adapters"
 
 
 def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
@@ -91,8 +98,7 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
     if not m:
         raise PolicyNotFound(f"--policy {spec!r}: with roles, the policy is base or vN (each role's adapter of a run)")
     version = int(m[1])
-    runs = [Path(run_dir)] if run_dir else sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()),
-                                                  key=lambda p: p.name, reverse=True)
+    runs, where = _runs(cfg, run_dir)
     for run in runs:
         newest = max((v for r in cfg.roles for v in saved_versions(run / "adapters", r)), default=0)
         if version > newest:  # not a version this run reached
@@ -102,7 +108,6 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
             return EvalPolicy(cfg.model_name, version, roles={
                 r: (policy_name(v, r), (run / "adapters" / policy_name(v, r)).resolve()) if v else (cfg.model_name, None)
                 for r, v in found.items()})
-    where = str(run_dir / "adapters") if run_dir else f"{cfg.out_dir}/*/adapters"
     raise PolicyNotFound(f"no run reached version {version} with an adapter policy-v{{k}}-{{role}} (k <= {version}) "
                          f"for the roles {', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
 
