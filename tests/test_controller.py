@@ -127,6 +127,9 @@ async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gatew
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
     monkeypatch.setenv("MY_TOKEN", "mine")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    if preload:  # a forkserver started by an earlier test holds that test's environment: start a fresh one
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()
     env_out = tmp_path / "env.json"
     out = await run(store, gateway_url, tmp_path, {"e": {"calls": 1, "reward": 1.0, "env_out": str(env_out)}},
                     preload=preload, pass_env=["MY_*"])
@@ -136,6 +139,10 @@ async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gatew
     assert "k3y" not in json.dumps(env) and "hunter2" not in json.dumps(env)
     assert env["MY_TOKEN"] == "mine" and env["LC_ALL"] == "C.UTF-8" and env["PATH"]
     assert env["OPENAI_API_KEY"] == scoped_key("k3y", "e", "0")
+    # with preload the run's /proc/self/environ (readable by its subprocesses) was the controller's whole
+    # environment: the forkserver is started with the allow-listed variables only
+    proc_env = (tmp_path / "env.json.proc").read_bytes()
+    assert b"k3y" not in proc_env and b"hunter2" not in proc_env and b"s3cret" not in proc_env, proc_env[:300]
 
 
 def test_pass_env_names_are_checked(store, gateway_url, tmp_path):

@@ -24,6 +24,8 @@ if task.get("mark"):
 if task.get("env_out"):
     with open(task["env_out"], "w") as f:
         json.dump(dict(os.environ), f)
+    with open(task["env_out"] + ".proc", "wb") as f:  # what a subprocess of the run can read of it
+        f.write(open("/proc/self/environ", "rb").read())
 headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
 for _ in range(task.get("calls", 1)):
     r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=headers, timeout=30,

@@ -174,6 +174,40 @@ class CallRecord(BaseModel):
     ended_at: float = 0.0
 
 
+def answer_text(call: CallRecord) -> str:
+    """The assistant's text in a recorded answer, whatever the route: chat ``choices[0].message.content`` (a
+    string or a list of text parts), completions ``choices[0].text``, Anthropic Messages ``content`` text blocks,
+    Responses ``output_text`` or the ``output_text`` parts of its ``output`` messages. Always a ``str`` ("" when
+    the answer holds no text: a tool call, an error, an odd shape); a non-string content is never passed on.
+    The one definition used by reward functions (the controller) and the dashboard."""
+    resp = call.response if isinstance(call.response, dict) else {}
+
+    def texts(parts: Any, kinds: tuple[str, ...]) -> str:
+        if isinstance(parts, str):
+            return parts
+        if not isinstance(parts, list):
+            return ""
+        return "".join(p["text"] for p in parts if isinstance(p, dict) and p.get("type") in kinds
+                       and isinstance(p.get("text"), str))
+
+    if call.route in ("chat", "completions"):
+        choices = resp.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        msg = first.get("message")
+        if isinstance(msg, dict):
+            return texts(msg.get("content"), ("text",))
+        return first["text"] if isinstance(first.get("text"), str) else ""
+    if call.route == "messages":
+        return texts(resp.get("content"), ("text",))
+    if call.route == "responses":
+        if isinstance(resp.get("output_text"), str):
+            return resp["output_text"]
+        output = resp.get("output")
+        return "".join(texts(item.get("content"), ("output_text", "text")) for item in output
+                       if isinstance(item, dict) and item.get("type") == "message") if isinstance(output, list) else ""
+    return ""
+
+
 #: Largest |reward| accepted (from a harness, a reward function or a CLI): far above any reward scale in use,
 #: and small enough that a group's advantage statistics cannot overflow.
 REWARD_LIMIT = 1e9

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus, check_reward
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_reward
 from agl_common.store import RolloutNotFound, Store
 
 log = logging.getLogger("agl.controller")
@@ -117,14 +117,10 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def final_output(calls: list[CallRecord]) -> str:
-    """Text of the last successful answer of an attempt (chat message content or completion text)."""
+    """Text of the last successful answer of an attempt, whatever its route (:func:`agl_common.schemas.answer_text`)."""
     for call in reversed(calls):
-        if call.status != "ok" or not call.response:
-            continue
-        choices = call.response.get("choices") or []
-        if choices:
-            msg = choices[0].get("message") or {}
-            return msg.get("content") or choices[0].get("text") or ""
+        if call.status == "ok" and call.response:
+            return answer_text(call)
     return ""
 
 

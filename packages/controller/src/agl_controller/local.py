@@ -132,7 +132,6 @@ class LocalRunner(Runner):
                          reward_timeout_s=timeout_s)  # a reward function gets a run's time at most
         self.gateway_url = gateway_url
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
-        self.launcher = Launcher(self.command, preload)
         self.model = model
         self.concurrency = concurrency
         self.timeout_s = timeout_s
@@ -142,6 +141,8 @@ class LocalRunner(Runner):
         self.extra_env = extra_env or {}
         self.pass_env = (*BASE_PASS_ENV, *pass_env)
         passed_env({}, self.pass_env)  # ValueError for a bad name, before anything runs
+        # a forked run's /proc/self/environ is the forkserver's: start it with the allow-listed variables only
+        self.launcher = Launcher(self.command, preload, env=passed_env(dict(os.environ), self.pass_env))
         self._sem = asyncio.Semaphore(concurrency)
         self._procs: dict[str, object] = {}  # rollout id → a process with ``pid`` (its process group)
         self._tasks: set[asyncio.Task] = set()

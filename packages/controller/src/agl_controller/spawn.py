@@ -96,18 +96,37 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path:
             stream.flush()
 
 
+def _start_forkserver(env: dict[str, str]) -> None:
+    """Start this process's multiprocessing forkserver now, exec'd with exactly ``env`` (it inherits the C-level
+    environment: ``os.environ`` is swapped for the duration of its start, then restored). No-op if it runs."""
+    from multiprocessing import forkserver
+
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 class Launcher:
     """Starts harness processes for :class:`agl_controller.local.LocalRunner`.
 
     Args:
         command: the harness argv.
         preload: modules to import once and fork every attempt from (empty: ``exec`` each attempt).
+        env: with ``preload``, the whole environment the forkserver is started with (None: this process's).
+            Each forked run's ``os.environ`` is its attempt's, but its ``/proc/self/environ`` (what any of its
+            subprocesses can read as ``/proc/$PPID/environ``) is the forkserver's: pass only what every run may
+            see (the controller passes its allow-listed variables, never ``AGL_KEY`` or a Redis URL).
 
     Raises :class:`LaunchError` if ``preload`` is set and the command is not ``PYTHON SCRIPT.py ...`` or
     ``PYTHON -m MODULE ...`` run by this controller's own interpreter (the forkserver is this interpreter).
     """
 
-    def __init__(self, command: list[str], preload: list[str] | None = None):
+    def __init__(self, command: list[str], preload: list[str] | None = None, env: dict[str, str] | None = None):
         self.command = list(command)
         self.preload = [m for m in (preload or []) if m]
         self._ctx = None
@@ -127,6 +146,8 @@ class Launcher:
                 raise LaunchError(f"preload: no module named {', '.join(missing)}")
             self._ctx = multiprocessing.get_context("forkserver")
             self._ctx.set_forkserver_preload([__name__, *self.preload])
+            if env is not None:
+                _start_forkserver(env)
 
     @property
     def mode(self) -> str:

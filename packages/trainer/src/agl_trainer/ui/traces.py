@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from agl_common.schemas import CallRecord, Rollout
+from agl_common.schemas import CallRecord, Rollout, answer_text
 from agl_common.store import Store
 
 from ..algorithm.aggregate import AggregateStats, Row, build_rows
@@ -202,22 +202,16 @@ def logprob_colour(lp: float) -> str:
 
 
 def message_text(call: CallRecord) -> str:
-    """What the model answered in ``call`` (the assistant text or tool calls of the response), for the calls table."""
-    resp = call.response or {}
-    try:
-        if call.route == "chat":
-            msg = resp["choices"][0]["message"]
-            text = msg.get("content") or ""
-            for tc in msg.get("tool_calls") or []:
-                fn = tc.get("function", {})
-                text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
-            return text
-        if call.route == "completions":
-            return resp["choices"][0].get("text", "")
-        if call.route == "messages":
-            return "".join(b.get("text", "") for b in resp.get("content", []) if isinstance(b, dict))
-        if call.route == "responses":
-            return str(resp.get("output_text") or resp.get("output") or "")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        pass
-    return call.error or ""
+    """What the model answered in ``call`` (:func:`agl_common.schemas.answer_text`, plus a chat answer's tool
+    calls), for the calls table; the error for a failed call. Always a ``str``."""
+    if call.status != "ok":
+        return call.error or ""
+    text = answer_text(call)
+    choices = (call.response or {}).get("choices") if call.route == "chat" else None
+    msg = choices[0].get("message") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+    for tc in calls if isinstance(calls, list) else []:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if isinstance(fn, dict):
+            text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
+    return text
