@@ -573,3 +573,23 @@ def test_reward_must_be_a_finite_number(env):
     assert env.client.post(url, json={"value": 0.25}).status_code == 200
     stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}"))
     assert stored.reward == 0.25
+
+
+def test_a_stream_whose_tool_call_indexes_are_not_integers_is_recorded_as_an_error(env):
+    """Round 5: tool-call deltas with indexes 0 and "x" (or 0 and null) made ``sorted`` fail after the stream: the
+    agent got an internal_error event and *no record* was written. Now a malformed answer, recorded."""
+    role, *_ = good_stream_chunks()
+    for second in ('"x"', "null", "-1", "true"):
+        deltas = [b'data: {"id":"c","object":"chat.completion.chunk","model":"up","choices":[{"index":0,"delta":'
+                  b'{"tool_calls":[{"index":' + i.encode() + b',"id":"t","function":{"name":"f","arguments":"{}"}}]},'
+                  b'"finish_reason":null,"token_ids":[5]}]}\n\n' for i in ("0", second)]
+        calls, records = len(env.up.calls), env.n_records()
+        env.up.plan = ("stream", [role, *deltas], "done")
+        try:
+            env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                            json={**VALID["chat/completions"], "stream": True})
+        finally:
+            env.up.plan = None
+        settle(env, calls, records)
+        rec = last_record(env)
+        assert rec.status == "error" and "index" in (rec.error or ""), (second, rec.error)

@@ -81,8 +81,11 @@ def test_render_injects_contract_env_labels_and_validates_with_the_client_models
     assert agent.args == ["--task", "2+2 'q'"] and agent.image == "agent:latest"
     assert agent.resources.limits == {"cpu": "1", "memory": "1Gi"}
     assert {e.name: e.value for e in agent.env}["KEEP"] == "yes"
-    # a rollout can bring its own template
+    # a rollout can bring its own template, where the operator allows it (round 5: off by default)
     own = Rollout(rollout_id="o", input={"agl_job_template": "spec: {template: {spec: {containers: [{name: c}]}}}"})
+    with pytest.raises(ValueError, match="does not take a rollout's own"):
+        r.render(own)
+    r.input_templates = True
     assert r.render(own)["spec"]["template"]["spec"]["containers"][0]["name"] == "c"
 
 

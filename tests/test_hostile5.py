@@ -46,3 +46,71 @@ def test_an_answer_that_is_not_text_is_never_passed_on_as_something_else():
         assert answer_text(_call("messages", response)) in ("x", "")
     assert answer_text(_call("responses", {"output": "x"})) == ""
     assert answer_text(_call("responses", {"output": [{"type": "message", "content": 5}]})) == ""
+
+
+def test_a_redis_password_is_never_shown_in_the_query_form_either():
+    """redacted_url looked only at the user part: ``?password=PW`` (redis-py reads it) was printed whole."""
+    from agl_common.settings import redacted_url
+
+    assert redacted_url("redis://h:6379/0?password=hunter2&db=1") == "redis://h:6379/0?password=***&db=1"
+    assert "hunter2" not in redacted_url("redis://u:hunter2@h/0?PASSWORD=hunter2")
+    assert redacted_url("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_a_runs_config_and_trackers_never_hold_the_redis_password():
+    """The run's config.json (shown on the dashboard's run page) and every tracker's config held the Redis URL with
+    its password: what is written or shown is ``TrainConfig.shown()``."""
+    import json
+
+    from agl_trainer.config import TrainConfig
+
+    cfg = TrainConfig(redis_url="redis://:hunter2@127.0.0.1:6379/0?password=hunter2")
+    shown = json.dumps(cfg.shown())
+    assert "hunter2" not in shown and cfg.redis_url.count("hunter2") == 2  # the run itself keeps the real one
+    assert TrainConfig.model_validate({**cfg.shown(), "redis_url": cfg.redis_url}) == cfg
+
+
+def test_the_stack_puts_no_redis_url_on_a_command_line(tmp_path, monkeypatch):
+    """The trainer started the gateway and the controller with ``--redis URL``: a command line is world-readable
+    (``ps``, /proc/<pid>/cmdline). The URL travels in their environment (AGL_REDIS_URL, which both read)."""
+    from agl_trainer.services import Services
+
+    started = {}
+    monkeypatch.setattr(Services, "start", lambda self, name, argv, env=None: started.setdefault(name, (argv, env)))
+    monkeypatch.setattr(Services, "wait_http", lambda *a, **k: None)
+    monkeypatch.setattr(Services, "expect_running", lambda *a, **k: None)
+    url = "redis://:hunter2@127.0.0.1:6379/0"
+    svc = Services(tmp_path)
+    svc.start_gateway("http://127.0.0.1:9", url, "p", "m", port=12345)
+    svc.start_controller("python a.py", "http://127.0.0.1:12345", url, "p", "m", 4, 10.0, tmp_path)
+    for name in ("gateway", "controller"):
+        argv, env = started[name]
+        assert "hunter2" not in " ".join(argv) and "--redis" not in argv, (name, argv)
+        assert env["AGL_REDIS_URL"] == url
+
+
+def test_a_job_template_runs_no_python_and_every_render_failure_is_the_rollouts(monkeypatch):
+    """A rollout's ``input["agl_job_template"]`` was rendered by a plain Jinja2 Environment: ``cycler.__init__
+    .__globals__`` reached ``os.environ`` (the admin key landed in the manifest) and could run code in the
+    controller. Templates render in the sandbox; a rollout's own template needs the operator's opt-in; a
+    template that raises anything (``{{ 1/0 }}``, ``metadata: 5``) is a ValueError (the runner's template_error),
+    not an escape that left the rollout running until job_lost."""
+    import pytest
+    from agl_common.schemas import Rollout
+    from agl_controller.k8s import JobRenderer
+
+    monkeypatch.setenv("AGL_KEY", "THE-ADMIN-KEY")
+    ok = "spec: {template: {spec: {containers: [{name: c, image: x}]}}}\n"
+    steal = ("metadata: {annotations: {stolen: \"{{ cycler.__init__.__globals__.os.environ.AGL_KEY }}\"}}\n" + ok)
+    for template in (steal, "metadata: {annotations: {x: \"{{ ''.__class__.__mro__[1].__subclasses__() }}\"}}\n" + ok):
+        with pytest.raises(ValueError, match="cannot render"):
+            JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={}))
+    r = JobRenderer(ok, "http://gw", "m", input_templates=True)
+    with pytest.raises(ValueError, match="cannot render"):
+        r.render(Rollout(rollout_id="r", input={"agl_job_template": steal}))
+    for bad in ("spec: {{ 1/0 }}", "metadata: 5\n" + ok, "spec: [1]", ok.replace("{name: c, image: x}", "'x'")):
+        with pytest.raises(ValueError):
+            JobRenderer(bad, "http://gw", "m").render(Rollout(rollout_id="r", input={}))
+    with pytest.raises(ValueError, match="not a string"):
+        r.render(Rollout(rollout_id="r", input={"agl_job_template": 5}))

@@ -6,7 +6,7 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,17 +24,21 @@ def check_prefix(prefix: str) -> str:
 
 
 def redacted_url(url: str) -> str:
-    """``url`` as it may be shown (logs, pages, messages): a password in it replaced by ``***``;
-    ``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``. Every place that prints a Redis URL uses this."""
+    """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
+    in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter redis-py reads
+    (``?password=pw`` → ``?password=***``). Every place that prints a Redis URL uses this."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
+        query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:  # not parseable: show nothing of it that could be a secret
         return "<unparseable URL>"
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    if any(k.lower() == "password" for k, _ in query):
+        parts = parts._replace(query="&".join(f"{k}=***" if k.lower() == "password" else
+                                              urlencode([(k, v)], safe=":/") for k, v in query))
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    return parts.geturl()
 
 
 def engine_base_urls(value: str) -> list[str]:

@@ -46,6 +46,9 @@ def run(
                                       help="stable name (e.g. the pod name): a restart adopts its own claims at once"),
     lease_ttl: float = typer.Option(15.0, envvar="AGL_LEASE_TTL", help="seconds without renewal until presumed dead"),
     template: str = typer.Option(None, envvar="AGL_JOB_TEMPLATE", help="k8s: Jinja template file of the Job"),
+    input_templates: bool = typer.Option(False, "--input-templates", envvar="AGL_INPUT_TEMPLATES",
+                                         help="k8s: a rollout may bring its own Job template "
+                                              "(input['agl_job_template']); off: such a rollout fails"),
     namespace: str = typer.Option("default", envvar="AGL_NAMESPACE", help="k8s namespace"),
     jobs_per_minute: int = typer.Option(60, envvar="AGL_JOBS_PER_MINUTE", min=1, help="k8s: Job creation limit"),
     ttl_after_finished: int = typer.Option(3600, envvar="AGL_TTL_AFTER_FINISHED",
@@ -101,11 +104,15 @@ def run(
         if not template:
             typer.echo("--template is required in k8s mode", err=True)
             raise typer.Exit(2)
-        with open(template) as f:
-            template_text = f.read()
+        try:
+            with open(template) as f:
+                template_text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            typer.echo(f"--template {template}: {exc}", err=True)
+            raise typer.Exit(2) from None
         if dry_run:
             raise typer.Exit(_dry_run(template_text, gateway, model, key, namespace, ttl_after_finished, timeout,
-                                      prefix, redis, inputs or []))
+                                      prefix, redis, inputs or [], input_templates))
     else:
         typer.echo(f"unknown mode {mode!r}: use local or k8s", err=True)
         raise typer.Exit(2)
@@ -123,7 +130,7 @@ def run(
             runner = K8sRunner(store, gateway, template_text, model, namespace=namespace, key=key,
                                concurrency=concurrency, jobs_per_minute=jobs_per_minute,
                                ttl_after_finished_s=ttl_after_finished, timeout_s=timeout,
-                               api_client=load_api_client(), **common)
+                               api_client=load_api_client(), input_templates=input_templates, **common)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -137,7 +144,7 @@ def run(
 
 
 def _dry_run(template_text: str, gateway: str, model: str, key: str | None, namespace: str, ttl: int,
-             timeout: float, prefix: str, redis: str, inputs: list[str]) -> int:
+             timeout: float, prefix: str, redis: str, inputs: list[str], input_templates: bool = False) -> int:
     """Print the manifests (YAML, ``---``-separated) for ``inputs`` or the queued rollouts; 0 if all valid."""
     import yaml
     from agl_common.schemas import Rollout
@@ -145,7 +152,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
     from .k8s import JobRenderer
 
     renderer = JobRenderer(template_text, gateway, model, key=key, namespace=namespace, ttl_after_finished_s=ttl,
-                           timeout_s=timeout, prefix=prefix)
+                           timeout_s=timeout, prefix=prefix, input_templates=input_templates)
     if inputs:
         rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]
     else:

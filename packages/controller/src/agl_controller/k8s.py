@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 import yaml
 from agl_common.schemas import Rollout, RolloutStatus
 from agl_common.store import RolloutNotFound, Store
@@ -157,12 +158,19 @@ class JobRenderer:
         ttl_after_finished_s: ``spec.ttlSecondsAfterFinished`` (s).
         timeout_s: ``spec.activeDeadlineSeconds`` (s) unless the template sets it; ``None``: none.
         prefix: the Redis key prefix; its hash labels the Jobs of this experiment.
+        input_templates: honour a rollout's own ``input["agl_job_template"]`` (off by default: whoever writes a
+            rollout's input, a task file's row included, would choose the pod that runs it and its security).
+
+    Templates render in Jinja2's immutable sandbox: a template (the operator's or a rollout's) reaches no Python
+    object beyond the values it is given (``{{ cycler.__init__.__globals__ }}`` is a ``SecurityError``).
     """
 
     def __init__(self, template: str, gateway_url: str, model: str, key: str | None = None,
                  namespace: str = "default", ttl_after_finished_s: int = 3600, timeout_s: float | None = None,
-                 prefix: str = "agl:"):
-        self.env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+                 prefix: str = "agl:", input_templates: bool = False):
+        self.env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False,
+                                                 keep_trailing_newline=True)
+        self.input_templates = input_templates
         self.template = template
         self.gateway_url, self.model, self.key = gateway_url, model, key
         self.namespace = namespace
@@ -179,17 +187,26 @@ class JobRenderer:
         """The complete, validated manifest (a dict, camelCase keys). Raises ``ValueError`` on any error."""
         name = job_name(rollout.rollout_id, rollout.attempt_id)
         env = harness_env(self.gateway_url, rollout, self.model, self.key)
-        text = rollout.input.get(TEMPLATE_FIELD) or self.template
+        own = rollout.input.get(TEMPLATE_FIELD)
+        if own is not None and not self.input_templates:
+            raise ValueError(f"input[{TEMPLATE_FIELD!r}] is set but this controller does not take a rollout's own "
+                             "Job template (agl-controller run --input-templates)")
+        if own is not None and not isinstance(own, str):
+            raise ValueError(f"input[{TEMPLATE_FIELD!r}] is not a string")
+        text = own or self.template
         try:
             rendered = self.env.from_string(text).render(
                 input=rollout.input, rollout=rollout.model_dump(mode="json"), rollout_id=rollout.rollout_id,
                 attempt_id=rollout.attempt_id, job_name=name, model=self.model, namespace=self.namespace, env=env)
             manifest = yaml.safe_load(rendered)
-        except (jinja2.TemplateError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot render the Job template: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 — a template's {{ 1/0 }} too: every failure is this rollout's
+            raise ValueError(f"cannot render the Job template: {type(exc).__name__}: {exc}") from exc
         if not isinstance(manifest, dict):
             raise ValueError("the Job template must render to one YAML mapping")
-        self._complete(manifest, rollout, name, env)
+        try:
+            self._complete(manifest, rollout, name, env)
+        except (AttributeError, TypeError, KeyError) as exc:  # `metadata: 5`, `spec: [1]`, `env: ['x']`...
+            raise ValueError(f"the Job template has the wrong shape: {type(exc).__name__}: {exc}") from exc
         validate_job(manifest)
         return manifest
 
@@ -325,7 +342,7 @@ class K8sRunner(Runner):
                  poll_s: float = 1.0, reconcile_every_s: float = 10.0, job_lost_after_s: float = 60.0,
                  watch: bool = True, reward_fn: str | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0):
+                 lease_ttl_s: float = 15.0, input_templates: bool = False):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
                          controller_id=controller_id, lease_ttl_s=lease_ttl_s,
                          reward_timeout_s=timeout_s or 300.0)  # a reward function gets a run's time at most
@@ -333,7 +350,7 @@ class K8sRunner(Runner):
 
         self.renderer = JobRenderer(template, gateway_url, model, key=key, namespace=namespace,
                                     ttl_after_finished_s=ttl_after_finished_s, timeout_s=timeout_s,
-                                    prefix=store.prefix)
+                                    prefix=store.prefix, input_templates=input_templates)
         self.namespace = namespace
         self.concurrency = concurrency
         self.rate = RateLimit(jobs_per_minute)

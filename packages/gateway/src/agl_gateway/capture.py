@@ -261,10 +261,15 @@ class StreamCapture:
                 for tc in delta.get("tool_calls") or []:
                     if not isinstance(tc, dict):
                         raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
-                    acc = self.tool_calls.setdefault(tc.get("index", 0), {
+                    index, fn = tc.get("index", 0), tc.get("function") or {}
+                    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                        raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")
+                    if not isinstance(fn, dict) or not all(isinstance(fn.get(k) or "", str)
+                                                           for k in ("name", "arguments")):
+                        raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
+                    acc = self.tool_calls.setdefault(index, {
                         "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
                     acc["id"] = tc.get("id") or acc["id"]
-                    fn = tc.get("function") or {}
                     acc["function"]["name"] += fn.get("name") or ""
                     acc["function"]["arguments"] += fn.get("arguments") or ""
                 finish = ch.get("finish_reason")

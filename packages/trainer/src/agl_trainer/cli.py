@@ -166,6 +166,9 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     # the config as resolved here (CONFIG + --seed, --redis, --prefix, --logger, AGL_REDIS_URL...): the verl side
     # reads this file, not CONFIG again (which dropped every override)
     resolved = run_dir / "config.resolved.yaml"
+    # (it holds the Redis URL with its password, which the verl side needs: readable by this user only)
+    resolved.touch(mode=0o600)
+    resolved.chmod(0o600)
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     argv = [str(py), "-m", "agl_trainer.backends.verl.main", str(resolved), "--run-dir", str(run_dir),
             "--ranks", str(cfg.verl_ranks), "--backend", "verl"]

@@ -12,7 +12,7 @@ from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, engine_base_urls
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, engine_base_urls, redacted_url
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -188,6 +188,13 @@ class TrainConfig(BaseModel):
             raise ValueError("roles are trained by the cpu backend only (verl serves one LoRA per engine: "
                              "docs/verl.md)")
         return self
+
+    def shown(self) -> dict:
+        """The config as JSON-able data for what is written or shown (a run's ``config.json``, trackers, the
+        dashboard): the Redis URL's password (in its user part or a ``?password=`` query) replaced by ``***``."""
+        data = self.model_dump(mode="json")
+        data["redis_url"] = redacted_url(self.redis_url)
+        return data
 
     def base_policy(self) -> Policy:
         """Policy version 0: the base model, for every role too (with :attr:`roles`)."""

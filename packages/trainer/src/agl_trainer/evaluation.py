@@ -175,7 +175,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
         raise ValueError(f"no held-out inputs: {cfg.task_file}:{cfg.heldout_fn} with eval_size {cfg.eval_size}")
     eval_dir = Path(cfg.out_dir) / f"eval-{new_run_id()}"
     eval_dir.mkdir(parents=True, exist_ok=True)
-    (eval_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    (eval_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     with Services(eval_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
         # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
@@ -190,6 +190,6 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
     res = {**res, "policy": policy.model, "version": policy.version, "eval_dir": str(eval_dir)}
     (eval_dir / "eval.json").write_text(json.dumps(res, indent=2))
     with Trackers(cfg.loggers, eval_dir) as trackers:
-        trackers.log_config(cfg.model_dump(mode="json"))
+        trackers.log_config(cfg.shown())
         trackers.log_eval("eval", res, 0)
     return res

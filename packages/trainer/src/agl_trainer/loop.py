@@ -74,7 +74,7 @@ class TrainingRun:
     async def start(self) -> int:
         """A new run: the gateway routes to the base policy (version 0), the held-out evaluation before.
         Returns the first step (1)."""
-        self.trackers.log_config(self.cfg.model_dump(mode="json"))
+        self.trackers.log_config(self.cfg.shown())
         policy = self.cfg.base_policy()
         await self.store.set_policy(policy)
         await resume_gateway(self.store, policy=policy)
@@ -85,7 +85,7 @@ class TrainingRun:
         """A restarted trainer (``state``: :func:`agl_trainer.checkpoint.load_checkpoint`): the backend restored,
         the checkpointed step's groups marked trained, its metrics line written if the kill came before it, the
         groups in flight adopted, the engine serving the restored policy. Returns the next step."""
-        self.trackers.log_config(self.cfg.model_dump(mode="json"))
+        self.trackers.log_config(self.cfg.shown())
         self.version = state["version"]
         await compute.run(self.backend.restore, self.run_dir / "checkpoint")
         await self.store.commit_trained(self.scheduler.consumer_group, state["metrics"]["groups"], [])

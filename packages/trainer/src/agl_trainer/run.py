@@ -9,6 +9,7 @@ The loop itself is :func:`agl_trainer.loop.train_async`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
@@ -44,7 +45,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     if state is not None:
         check_resumable(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
         import os
 
@@ -87,7 +88,6 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
     """Raise :class:`NotResumable` if ``cfg``'s roles differ from those the run at ``run_dir`` was trained with
     (its ``config.json``): each role's weights and optimizer are in ``checkpoint/{role}``. Checked before any
     service starts."""
-    import json
 
     try:
         before = json.loads((run_dir / "config.json").read_text()).get("roles") or {}

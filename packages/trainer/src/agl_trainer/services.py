@@ -202,9 +202,10 @@ class Services:
     def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
                       extra: list[str] | None = None) -> str:
         port = port or free_port()
-        argv = [self.python, "-m", "agl_gateway", "serve", "--upstream", upstream, "--redis", redis_url,
+        argv = [self.python, "-m", "agl_gateway", "serve", "--upstream", upstream,
                 "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
-        self.start("gateway", argv)
+        # the Redis URL (maybe with its password) travels in the environment: a command line is public (ps)
+        self.start("gateway", argv, {"AGL_REDIS_URL": redis_url})
         url = f"http://127.0.0.1:{port}"
         self.wait_http("gateway", url + "/healthz", 60)
         return url
@@ -215,7 +216,7 @@ class Services:
         """Start ``agl-controller run --mode local``; ``pass_env``: names of this process's variables each harness
         run gets besides the controller's safe defaults (``--pass-env``)."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
-                "--gateway", gateway_url, "--redis", redis_url, "--prefix", prefix, "--model", model,
+                "--gateway", gateway_url, "--prefix", prefix, "--model", model,
                 "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:
             argv += ["--reward-fn", reward_fn]
@@ -223,5 +224,5 @@ class Services:
             argv += ["--preload", ",".join(preload)]
         if pass_env:
             argv += ["--pass-env", ",".join(pass_env)]
-        self.start("controller", argv)
+        self.start("controller", argv, {"AGL_REDIS_URL": redis_url})  # not on its public command line
         self.expect_running("controller")

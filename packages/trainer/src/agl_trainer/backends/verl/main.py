@@ -81,7 +81,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
 
     cfg = TrainConfig.model_validate({**TrainConfig.from_yaml(config_path).model_dump(), "backend": "verl"})
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     state = load_checkpoint(run_dir) if resume else None
     console = Console()
     env = cpu_env() if cpu else {"VERL_USE_EXTERNAL_MODULES": "agl_trainer.backends.verl.hook"}
