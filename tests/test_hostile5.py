@@ -114,3 +114,64 @@ def test_a_job_template_runs_no_python_and_every_render_failure_is_the_rollouts(
             JobRenderer(bad, "http://gw", "m").render(Rollout(rollout_id="r", input={}))
     with pytest.raises(ValueError, match="not a string"):
         r.render(Rollout(rollout_id="r", input={"agl_job_template": 5}))
+
+
+def test_a_deep_input_is_refused_before_it_is_stored(redis_url, prefix):
+    """``rollouts create --input`` nested 200-255 levels was stored (pydantic writes it) and then no reader could
+    parse it back: list/export/show of the whole prefix failed and the controller left the rollout claimed."""
+    import subprocess
+    import sys
+
+    import pytest
+    from agl_common.schemas import MAX_JSON_DEPTH, Rollout
+
+    deep = "[" * 220 + "]" * 220
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--input", '{"a": ' + deep + "}",
+                          "--redis", redis_url, "--prefix", prefix], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "deeper than" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    def nested(levels: int) -> list:
+        v: list = []
+        for _ in range(levels - 1):
+            v = [v]
+        return v
+
+    with pytest.raises(ValueError, match="deeper than"):
+        Rollout(rollout_id="d", input={"a": nested(MAX_JSON_DEPTH)})  # 1 + 64 levels
+    assert Rollout(rollout_id="d", input={"a": nested(MAX_JSON_DEPTH - 1)}).input
+    big = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--input", "{}", "--n",
+                          "1000000000", "--redis", redis_url, "--prefix", prefix], capture_output=True, text=True,
+                         timeout=60)
+    assert big.returncode == 2 and "Traceback" not in big.stderr
+
+
+def test_no_glob_hands_a_harness_the_admin_key():
+    """``--pass-env 'AGL_*'`` (or ``harness_env: ["*"]``) gave every harness AGL_KEY and AGL_REDIS_URL."""
+    from agl_controller.local import passed_env
+
+    environ = {"AGL_KEY": "k", "AGL_REDIS_URL": "redis://:pw@h", "AGL_OTHER": "1", "PATH": "/bin"}
+    for names in (["AGL_*"], ["*"], ["AGL_KEY", "AGL_REDIS_URL", "AGL_OTHER"]):
+        got = passed_env(environ, names)
+        assert "AGL_KEY" not in got and "AGL_REDIS_URL" not in got and got["AGL_OTHER"] == "1", names
+
+
+async def test_gateway_resume_with_one_model_never_drops_the_roles(store, redis_url, prefix):
+    """``gateway resume --model X`` on a run with roles published a policy without them (the solver's calls went to
+    X recorded with role None), and without ``--version`` recorded every later call as v0."""
+    import subprocess
+    import sys
+
+    from agl_common.schemas import Policy
+
+    def resume(*args):
+        return subprocess.run([sys.executable, "-m", "agl_trainer", "gateway", "resume", *args, "--redis", redis_url,
+                               "--prefix", prefix], capture_output=True, text=True, timeout=60)
+
+    roles = Policy(model="base", version=3, roles={"solver": "policy-v3-solver", "checker": "policy-v3-checker"},
+                   role_models={"solver-model": "solver", "checker-model": "checker"})
+    await store.set_policy(roles)
+    out = resume("--model", "policy-v9", "--version", "9")
+    assert out.returncode == 2 and "has roles" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    for args in (["--model", "policy-v9"], ["--model", "", "--version", "1"]):
+        out = resume(*args)
+        assert out.returncode == 2 and "--version" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+    assert await store.get_policy() == roles  # nothing was published

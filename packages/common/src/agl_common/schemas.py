@@ -92,6 +92,24 @@ def check_attempt_id(attempt_id: str) -> str:
     return attempt_id
 
 
+#: Deepest JSON nesting accepted in a request body, an upstream answer or a rollout's input. A record embeds both one level
+#: down and must stay readable by ``CallRecord.model_validate_json`` (whose parser stops at ~200 levels).
+MAX_JSON_DEPTH = 64
+
+
+def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > limit:
+            return True
+        for v in (o.values() if isinstance(o, dict) else o):
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return False
+
+
 class Rollout(BaseModel):
     """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group."""
 
@@ -108,6 +126,15 @@ class Rollout(BaseModel):
     started_at: float | None = None
     ended_at: float | None = None
     env_map: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # deeper inputs were stored (pydantic writes up to 255 levels) and then no reader could parse them back:
+        # every list/export/show of the prefix failed and the controller left the rollout claimed for ever
+        if too_deep(v):
+            raise ValueError(f"input nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        return v
 
     @field_validator("group_id")
     @classmethod

@@ -53,8 +53,13 @@ BASE_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE",
                  "TRANSFORMERS_OFFLINE")
 
 
+#: Never passed to a harness, whatever ``pass_env`` names (``AGL_*`` or ``*`` too): the admin key and the Redis URL.
+NEVER_PASSED = frozenset({"AGL_KEY", "AGL_REDIS_URL"})
+
+
 def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
-    """The entries of ``environ`` whose names match one of ``names`` (exact names or ``fnmatch`` globs: ``LC_*``).
+    """The entries of ``environ`` whose names match one of ``names`` (exact names or ``fnmatch`` globs: ``LC_*``),
+    never those in :data:`NEVER_PASSED`.
 
     Raises ``ValueError`` for an empty name or one with ``=``.
     """
@@ -62,7 +67,8 @@ def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
     for pat in patterns:
         if not pat or "=" in pat:
             raise ValueError(f"pass-env: {pat!r} is not a variable name (or a glob like LC_*)")
-    return {k: v for k, v in environ.items() if any(fnmatch.fnmatchcase(k, pat) for pat in patterns)}
+    return {k: v for k, v in environ.items()
+            if k not in NEVER_PASSED and any(fnmatch.fnmatchcase(k, pat) for pat in patterns)}
 
 
 def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None) -> dict[str, str]:

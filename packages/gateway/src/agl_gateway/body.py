@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from agl_common.schemas import MAX_JSON_DEPTH, too_deep
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from .capture import MAX_JSON_DEPTH, too_deep
 from .errors import ApiError, bad_request
 
 

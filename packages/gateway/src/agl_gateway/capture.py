@@ -13,24 +13,6 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-#: Deepest JSON nesting accepted in a request body or an upstream answer. A record embeds both one level
-#: down and must stay readable by ``CallRecord.model_validate_json`` (whose parser stops at ~200 levels).
-MAX_JSON_DEPTH = 64
-
-
-def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
-    stack = [(obj, 1)]
-    while stack:
-        o, depth = stack.pop()
-        if depth > limit:
-            return True
-        for v in (o.values() if isinstance(o, dict) else o):
-            if isinstance(v, (dict, list)):
-                stack.append((v, depth + 1))
-    return False
-
-
 #: Token ids a record may hold: ``[0, 2**31)`` (every vocabulary fits; torch, Parquet and the trainer's int64
 #: tensors take them).
 TOKEN_ID_LIMIT = 2**31

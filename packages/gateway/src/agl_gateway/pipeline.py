@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from agl_common.schemas import Policy, UnknownRole, route_call
+from agl_common.schemas import MAX_JSON_DEPTH, Policy, UnknownRole, route_call, too_deep
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from . import translate
 from .body import read_json
-from .capture import MAX_JSON_DEPTH, Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, too_deep
+from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer
 from .errors import ApiError, bad_request
 from .gate import GateClosed, HeldTooLong
 from .identity import Identity, check_callable, header, resolve_identity

@@ -284,7 +284,7 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
 @rollouts_app.command("create")
 def rollouts_create(
     input_json: str = typer.Option(..., "--input", help="the rollout's input, as a JSON object"),
-    n: int = typer.Option(1, min=1, help="rollouts to create (one group)"),
+    n: int = typer.Option(1, min=1, max=100_000, help="rollouts to create (one group)"),
     group: str = typer.Option(None, help="group id (default: the first rollout's id)"),
     rollout_id: str = typer.Option(None, "--id", help="rollout id (with n > 1, suffixed -0, -1...)"),
     redis: str = RedisOpt, prefix: str = PrefixOpt,
@@ -292,7 +292,7 @@ def rollouts_create(
     """Queue rollouts for the controller; prints their ids."""
     import uuid
 
-    from agl_common.schemas import Rollout, check_rollout_id
+    from agl_common.schemas import MAX_JSON_DEPTH, Rollout, check_rollout_id, too_deep
 
     import orjson
 
@@ -300,6 +300,8 @@ def rollouts_create(
         inp = orjson.loads(input_json)
         if not isinstance(inp, dict):
             raise ValueError("input must be a JSON object")
+        if too_deep(inp):  # (the Rollout refuses it too; here it is a usage error)
+            raise ValueError(f"input nests JSON deeper than {MAX_JSON_DEPTH} levels")
     except ValueError as exc:  # (orjson.JSONDecodeError is a ValueError)
         err.print(f"[red]invalid --input[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -548,14 +550,25 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
     """Release held calls on every replica: end one pause (--pause ID) or every pause."""
     from agl_common.control import resume
 
+    if model is not None and (not model.strip() or version is None):
+        err.print("[red]--model needs a non-empty name and its --version[/red] (a missing one was published as v0)")
+        raise typer.Exit(2)
+
     async def main():
         store = _store(redis, prefix)
         try:
+            current = await store.get_policy()
+            if model is not None and current is not None and current.roles:
+                return current
             await resume(store, model, version, release=pause, release_all=pause is None)
         finally:
             await store.close()
 
-    asyncio.run(main())
+    refused = asyncio.run(main())
+    if refused is not None:  # one --model would have dropped every role's adapter (their calls served unrouted)
+        err.print(f"[red]the current policy has roles ({escape(printable(', '.join(refused.roles)))}): --model would "
+                  "drop them[/red]; resume without --model (a trainer publishes every role's adapter)")
+        raise typer.Exit(2)
     console.print("resumed")
 
 
