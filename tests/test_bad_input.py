@@ -593,3 +593,28 @@ def test_a_stream_whose_tool_call_indexes_are_not_integers_is_recorded_as_an_err
         settle(env, calls, records)
         rec = last_record(env)
         assert rec.status == "error" and "index" in (rec.error or ""), (second, rec.error)
+
+
+def test_an_error_beside_choices_and_an_empty_finish_reason_are_errors(env):
+    """Round 5: a stream chunk carrying both ``error`` and ``choices`` was recorded ok; a complete answer with
+    ``finish_reason: ""`` was ok where the same in a stream was an error."""
+    role, first, *rest = good_stream_chunks()
+    chunk = orjson.loads(first[len(b"data: "):])
+    chunk["error"] = {"message": "engine died"}
+    calls, records = len(env.up.calls), env.n_records()
+    env.up.plan = ("stream", [role, b"data: " + orjson.dumps(chunk) + b"\n\n", *rest], "done")
+    try:
+        env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                        json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    settle(env, calls, records)
+    assert last_record(env).status == "error" and "engine died" in last_record(env).error
+    body = good_chat()
+    body["choices"][0]["finish_reason"] = ""
+    env.up.plan = ("body", 200, orjson.dumps(body))
+    try:
+        resp = env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=VALID["chat/completions"])
+    finally:
+        env.up.plan = None
+    assert last_record(env).status == "error" and "no finish reason" in last_record(env).error, resp.text

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from agl_common.schemas import CallRecord, answer_text
 
+from test_gateway import upstream  # noqa: F401 (fixture)
+
 
 def _call(route: str, response: dict, status: str = "ok") -> CallRecord:
     return CallRecord(rollout_id="r", attempt_id="1", seq=0, route=route, request={}, response=response,
@@ -175,3 +177,33 @@ async def test_gateway_resume_with_one_model_never_drops_the_roles(store, redis_
         out = resume(*args)
         assert out.returncode == 2 and "--version" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
     assert await store.get_policy() == roles  # nothing was published
+
+
+async def test_count_tokens_keeps_a_model_calls_rules_and_a_keyed_gateway_reads_no_body_before_the_key(
+        store, redis_url, prefix, upstream):
+    """``messages/count_tokens`` answered 200 for a finished rollout and, with --open, created the rollout it
+    named; with a key, every model route parsed the body before checking the key (400s about the body to a caller
+    without one, up to 8 MiB buffered)."""
+    import httpx
+    import pytest
+    from agl_common.schemas import RolloutStatus
+    from agl_common.store import RolloutNotFound
+
+    from test_gateway import gateway, make_rollout
+
+    count = {"model": "claude", "max_tokens": 1, "messages": [{"role": "user", "content": "3+4?"}]}
+    await make_rollout(store, "done", status=RolloutStatus.succeeded)
+    with gateway(redis_url, prefix, upstream.url, open=True) as gw:
+        async with httpx.AsyncClient() as c:
+            finished = await c.post(f"{gw.url}/rollouts/done/attempts/0/v1/messages/count_tokens", json=count)
+            new = await c.post(f"{gw.url}/rollouts/fresh/attempts/0/v1/messages/count_tokens", json=count)
+    assert finished.status_code == 409, finished.text
+    assert new.status_code == 404, new.text
+    with pytest.raises(RolloutNotFound):
+        await store.get_rollout("fresh")
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url, key="adminkey") as gw:
+        async with httpx.AsyncClient() as c:
+            for route in ("chat/completions", "messages", "responses", "messages/count_tokens"):
+                resp = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", content=b"{not json")
+                assert resp.status_code == 401, (route, resp.status_code, resp.text)

@@ -178,7 +178,7 @@ def check(cap: Captured) -> str | None:
     if bad_lp is not None:
         return (f"logprob {bad_lp!r} is not a log-probability of a sampled token (above 0, or at or below the "
                 f"engine's {LOGPROB_FLOOR} floor for -inf)")
-    if cap.finish_reason is None:
+    if not cap.finish_reason:  # None, or "" (a stream's "" was already None: one rule for both)
         return "no finish reason: the generation did not end"
     return None
 
@@ -206,7 +206,7 @@ class StreamCapture:
         if not isinstance(chunk, dict):
             raise MalformedUpstream("a stream chunk is not an object")
         cap = self.cap
-        if "error" in chunk and not chunk.get("choices"):  # vLLM's error event: the generation failed
+        if chunk.get("error") is not None:  # vLLM's error event (with choices too): the generation failed
             err = chunk["error"]
             msg = err.get("message") if isinstance(err, dict) else err
             cap.error = str(msg if msg is not None else err)[:300] or "error event"

@@ -131,8 +131,11 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     """The full path of one call on a model route; returns the agent's answer (JSON or SSE)."""
     st = state_of(request)
     t_call = time.perf_counter()
+    # with a key, who is asking before what they sent (a caller without the key gets 401, no word on its body);
+    # open (--open), the body first: a rollout is created only for a call that is well-formed
+    ident = await resolve_identity(request, st) if st.settings.key else None
     body = await read_json(request, st.settings.max_body_bytes)
-    ident = await resolve_identity(request, st)
+    ident = ident or await resolve_identity(request, st)
     check_callable(ident)
     if spec.to_upstream is not None:
         await translate.ready()  # LiteLLM is imported off the event loop

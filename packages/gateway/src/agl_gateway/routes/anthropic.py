@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from .. import translate
 from ..body import read_json
 from ..errors import ApiError
-from ..identity import resolve_identity
+from ..identity import check_callable, resolve_identity
 from ..pipeline import RouteSpec, model_call
 from ..state import state_of
 from ..translate import anthropic_sse, anthropic_to_chat, chat_to_anthropic
@@ -32,13 +32,16 @@ async def messages(request: Request):
 async def count_tokens(request: Request):
     """``{"input_tokens": N}`` from the engine's own tokenizer and chat template (vLLM ``/tokenize``)."""
     st = state_of(request)
+    # who is asking first (a caller without the key learns nothing of its body; counting never creates a rollout,
+    # --open), then a model call's rule: a finished rollout gets 409
+    ident = await resolve_identity(request, st, create=False)
+    check_callable(ident)
     body = await read_json(request, st.settings.max_body_bytes)
-    ident = await resolve_identity(request, st)
     await translate.ready()
     chat = anthropic_to_chat({"max_tokens": 1, **body})
     payload = {"model": (await current_policy(st)).model, "messages": chat["messages"],
                **({"tools": chat["tools"]} if chat.get("tools") else {})}
     count = (await call_json(st, ident.rollout_id, "/tokenize", payload, under_v1=False)).get("count")
-    if type(count) is not int:
+    if type(count) is not int or count < 0:
         raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error")
     return {"input_tokens": count}
