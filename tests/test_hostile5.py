@@ -207,3 +207,15 @@ async def test_count_tokens_keeps_a_model_calls_rules_and_a_keyed_gateway_reads_
             for route in ("chat/completions", "messages", "responses", "messages/count_tokens"):
                 resp = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", content=b"{not json")
                 assert resp.status_code == 401, (route, resp.status_code, resp.text)
+
+
+def test_ui_refuses_a_port_out_of_range_and_a_broken_tokenizer(tmp_path, redis_url):
+    """``agl-trainer ui --port 70000`` printed :70000 and served on 4464; a broken tokenizer.json was a traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    for args in (["--port", "70000"], ["--port", "-1"], ["--tokenizer", str(tmp_path)]):
+        out = subprocess.run([sys.executable, "-m", "agl_trainer", "ui", "--redis", redis_url, *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-500:])

@@ -254,7 +254,7 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
        runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", envvar="AGL_RUNS_DIR",
                                      help="folder holding run directories (runs/<name>/<run-id>/)"),
        host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every interface)"),
-       port: int = typer.Option(8765, help="port to listen on"),
+       port: int = typer.Option(8765, min=1, max=65535, help="port to listen on"),
        tokenizer: str = typer.Option(None, help="tokenizer directory for decoding token ids (default: the "
                                      "demo's base model if cached; 'none': show ids)")):
     """The local web dashboard: runs, steps, groups, rollouts, token-level rows, the gateway now."""
@@ -265,8 +265,8 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
 
     try:
         decoder = load_decoder(tokenizer)
-    except FileNotFoundError as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]")
+    except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
+        err.print(f"[red]--tokenizer {escape(str(tokenizer))}: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     try:
         app_ = create_app(redis, prefix, runs_dir, decoder)

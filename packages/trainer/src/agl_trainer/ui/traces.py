@@ -73,7 +73,10 @@ def load_decoder(tokenizer: str | None) -> Decoder:
         return Decoder()
     from ..model import load_tokenizer
 
-    tok, eos_ids = load_tokenizer(path)
+    try:
+        tok, eos_ids = load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 — the tokenizers library raises bare Exceptions for a broken file
+        raise ValueError(f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}") from None
     return Decoder(decode=tok.decode, eos_ids=eos_ids)
 
 
