@@ -219,3 +219,30 @@ def test_ui_refuses_a_port_out_of_range_and_a_broken_tokenizer(tmp_path, redis_u
         out = subprocess.run([sys.executable, "-m", "agl_trainer", "ui", "--redis", redis_url, *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-500:])
+
+
+def test_the_stack_starts_its_gateway_with_a_key_only_the_controller_holds(tmp_path, monkeypatch):
+    """The gateway that train/demo/eval start ran without a key: any harness (or a model's shell tool) could post
+    any other rollout's reward. It gets a random admin key per run, which only the controller is given."""
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.services import Services
+    from agl_trainer.stack import start_agents
+
+    started = {}
+    monkeypatch.setattr(Services, "start", lambda self, name, argv, env=None: started.setdefault(name, (argv, env)))
+    monkeypatch.setattr(Services, "wait_http", lambda *a, **k: None)
+    monkeypatch.setattr(Services, "expect_running", lambda *a, **k: None)
+    monkeypatch.delenv("AGL_KEY", raising=False)
+    keys = []
+    for _ in range(2):
+        started.clear()
+        start_agents(Services(tmp_path), TrainConfig(), "http://127.0.0.1:9", "redis://127.0.0.1:6379/0", "m", tmp_path)
+        gw_key, ctl_key = started["gateway"][1].get("AGL_KEY"), started["controller"][1].get("AGL_KEY")
+        assert gw_key and gw_key == ctl_key and len(gw_key) >= 32
+        assert gw_key not in " ".join(started["gateway"][0] + started["controller"][0])
+        keys.append(gw_key)
+    assert keys[0] != keys[1]  # one per run
+    monkeypatch.setenv("AGL_KEY", "operator-key")
+    started.clear()
+    start_agents(Services(tmp_path), TrainConfig(), "http://127.0.0.1:9", "redis://127.0.0.1:6379/0", "m", tmp_path)
+    assert started["gateway"][1]["AGL_KEY"] == "operator-key" == started["controller"][1]["AGL_KEY"]

@@ -200,19 +200,21 @@ class Services:
         return url
 
     def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
-                      extra: list[str] | None = None) -> str:
+                      extra: list[str] | None = None, key: str | None = None) -> str:
+        """Start ``agl-gateway serve``; ``key``: its admin key (``AGL_KEY`` in its environment; None: inherited)."""
         port = port or free_port()
         argv = [self.python, "-m", "agl_gateway", "serve", "--upstream", upstream,
                 "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
         # the Redis URL (maybe with its password) travels in the environment: a command line is public (ps)
-        self.start("gateway", argv, {"AGL_REDIS_URL": redis_url})
+        self.start("gateway", argv, {"AGL_REDIS_URL": redis_url, **({"AGL_KEY": key} if key else {})})
         url = f"http://127.0.0.1:{port}"
         self.wait_http("gateway", url + "/healthz", 60)
         return url
 
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
                          concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
-                         preload: list[str] | None = None, pass_env: list[str] | None = None) -> None:
+                         preload: list[str] | None = None, pass_env: list[str] | None = None,
+                         key: str | None = None) -> None:
         """Start ``agl-controller run --mode local``; ``pass_env``: names of this process's variables each harness
         run gets besides the controller's safe defaults (``--pass-env``)."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
@@ -224,5 +226,6 @@ class Services:
             argv += ["--preload", ",".join(preload)]
         if pass_env:
             argv += ["--pass-env", ",".join(pass_env)]
-        self.start("controller", argv, {"AGL_REDIS_URL": redis_url})  # not on its public command line
+        self.start("controller", argv,  # not on its public command line; key: the gateway's, for scoped keys
+                   {"AGL_REDIS_URL": redis_url, **({"AGL_KEY": key} if key else {})})
         self.expect_running("controller")

@@ -4,6 +4,8 @@ harness, all owned by a :class:`agl_trainer.services.Services` (stopped with it,
 
 from __future__ import annotations
 
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -42,9 +44,17 @@ def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str,
                  python: str | None = None) -> str:
     """Start the gateway on ``upstream`` (unless ``cfg.gateway_url``) and the controller running ``cfg.command``
     (its leading ``python`` replaced by ``python``, default this interpreter), harness logs in ``log_dir``;
-    returns the gateway's base URL."""
-    gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name)
+    returns the gateway's base URL.
+
+    The gateway it starts has an admin key (``AGL_KEY`` if set, else a random one for this run), given to the
+    controller only (both through their environment): each harness run gets its attempt's scoped key and can act on
+    its own rollout alone (an open gateway let any harness post another rollout's reward). With ``cfg.gateway_url``
+    the controller gets this process's ``AGL_KEY``, if any."""
+    key = None
+    if not cfg.gateway_url:
+        key = os.environ.get("AGL_KEY") or secrets.token_urlsafe(32)
+    gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name, key=key)
     svc.start_controller(cfg.command.replace("python ", (python or sys.executable) + " ", 1), gateway, redis_url,
                          cfg.prefix, model_name, cfg.concurrency, cfg.rollout_timeout_s, log_dir, cfg.reward_fn,
-                         cfg.preload, cfg.harness_env)
+                         cfg.preload, cfg.harness_env, key=key)
     return gateway
