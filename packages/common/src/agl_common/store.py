@@ -77,7 +77,7 @@ from .schemas import (
     check_rollout_id,
     check_transition,
 )
-from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix
+from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, redacted_url
 
 #: A gateway replica is *live* while its last heartbeat (sent every second) is younger than this (s).
 REPLICA_TTL_S = 5
@@ -163,6 +163,14 @@ def is_cluster_url(url: str) -> bool:
     return urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
+def check_redis_url(url: str) -> str:
+    """``url`` if a Redis client can be made from it (nothing is connected); ``ValueError`` naming what is wrong
+    otherwise (not a Redis URL, an unknown ``?option``, a database out of range). For configs and CLIs, before
+    anything starts."""
+    connect(url, 1)
+    return url
+
+
 def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisCluster:
     """The asyncio client for ``url``: a :class:`redis.asyncio.Redis` on a blocking pool, or for
     ``redis+cluster://h1:p1[,h2:p2...][?opts]`` (``rediss+cluster`` for TLS) a
@@ -176,9 +184,16 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     if parts.scheme not in CLUSTER_SCHEMES:
         # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
         # instead of failing at once (redis-py's default pool turned load into "Too many connections").
-        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
-            health_check_interval=10))
+            health_check_interval=10)
+        try:  # an unknown query option (``?x=1``) or a database out of range fails here, not at the first command
+            pool.connection_class(**pool.connection_kwargs)
+            if not 0 <= int(pool.connection_kwargs.get("db", 0)) < 2**31:
+                raise ValueError("database number out of range")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad Redis URL {redacted_url(url)}: {exc}") from None
+        return aioredis.Redis.from_pool(pool)
     if parts.path not in ("", "/", "/0"):
         raise ValueError(f"a Redis Cluster URL has no database number (got path {parts.path!r} in {url!r})")
     netloc = parts.netloc.rsplit("@", 1)[-1]

@@ -65,13 +65,16 @@ def run(
                                                              "default: the rollouts now queued in Redis"),
 ) -> None:
     """Run queued rollouts until SIGINT/SIGTERM."""
-    from agl_common.store import Store
+    from agl_common.store import Store, check_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
     try:  # checked before anything starts: a bad option is a usage error (exit 2), not a traceback
         check_retry_on(retry)
         check_prefix(prefix)
+        check_redis_url(redis)
+        if command:
+            shlex.split(command)  # an unclosed quote: ValueError
         if reward_fn:
             load_reward_fn(reward_fn)
         for name, value in (("--timeout", timeout), ("--lease-ttl", lease_ttl)):
@@ -154,7 +157,11 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
     renderer = JobRenderer(template_text, gateway, model, key=key, namespace=namespace, ttl_after_finished_s=ttl,
                            timeout_s=timeout, prefix=prefix, input_templates=input_templates)
     if inputs:
-        rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]
+        try:
+            rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]
+        except ValueError as exc:  # not JSON, not an object (pydantic's ValidationError is a ValueError)
+            typer.echo(f"--input: not a JSON object: {str(exc).splitlines()[0]}", err=True)
+            return 2
     else:
         from agl_common.store import Store
 

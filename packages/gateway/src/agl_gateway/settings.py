@@ -40,6 +40,13 @@ class GatewaySettings(CommonSettings):
         engine_base_urls(v)  # ValueError for an entry that is not an http(s) URL: a usage error at start
         return v
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        from agl_common.store import check_redis_url
+
+        return check_redis_url(v)
+
     @field_validator("key")
     @classmethod
     def _key_is_a_header_token(cls, v: str | None) -> str | None:

@@ -208,6 +208,60 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{v!r} is not a model directory (no config.json in it)")
         return v
 
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str) -> str:
+        import shlex
+
+        if not shlex.split(v):  # (an unclosed quote: ValueError)
+            raise ValueError("command is empty")
+        return v
+
+    @field_validator("preload")
+    @classmethod
+    def _preload(cls, v: list[str]) -> list[str]:
+        import importlib.util
+        import re
+
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+                raise ValueError(f"preload: {name!r} is not a module name")
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                raise ValueError(f"preload: no module named {name.split('.')[0]!r}")
+        return v
+
+    @field_validator("harness_env")
+    @classmethod
+    def _harness_env(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name or "=" in name:
+                raise ValueError(f"harness_env: {name!r} is not a variable name (or a glob like MY_*)")
+        return v
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward_fn(cls, v: str | None) -> str | None:
+        import re
+
+        if v is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"reward_fn: {v!r} is not module:function")
+        return v
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        Policy(model=v)  # the gateway's rule for a served name (ValueError for an empty one)
+        if not v.isprintable() or v != v.strip():
+            raise ValueError(f"model_name {v!r}: printable characters, no spaces around")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        from agl_common.store import check_redis_url
+
+        return check_redis_url(v)
+
     @field_validator("prefix")
     @classmethod
     def _prefix(cls, v: str) -> str:
