@@ -293,3 +293,19 @@ def test_train_configs_no_run_can_use_fail_before_the_engine_starts():
         with pytest.raises(ValueError):
             TrainConfig(**{field: bad})
     assert TrainConfig(reward_fn="rewards:judge", harness_env=["MY_*"], preload=["json", "os.path"]).preload
+
+
+async def test_an_engine_that_lists_an_empty_model_id_is_unreachable_not_a_500(store, redis_url, prefix):
+    """An engine listing ``id: ""`` in /v1/models made every model call and GET /v1/models a 500 (Policy refuses an
+    empty name; discovery built it outside its try) while /readyz said ready."""
+    import httpx
+
+    from fakes import Served, fake_upstream
+    from test_gateway import make_rollout
+    from test_gateway_faults import gateway as faults_gateway
+
+    await make_rollout(store, "r1")
+    with Served(fake_upstream(model="")) as up, faults_gateway(redis_url, prefix, up.url, model=None) as gw:
+        r = httpx.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable", r.text

@@ -105,6 +105,10 @@ async def served_model(st: GatewayState, url: str, timeout_s: float) -> str:
         raise ValueError(f"GET {url}/models listed no model") from None
     if not isinstance(name, str):
         raise ValueError(f"GET {url}/models listed a model id that is not a string")
+    try:  # a name no policy can have ("" was: every call and /v1/models a 500, the discovery task dead)
+        Policy(model=name)
+    except ValueError:
+        raise ValueError(f"GET {url}/models listed the model id {name[:80]!r}, which is no served name") from None
     return name
 
 
