@@ -575,6 +575,19 @@ def test_reward_must_be_a_finite_number(env):
     assert stored.reward == 0.25
 
 
+def streamed_record(env, chunks: list[bytes]) -> CallRecord:
+    """The record of one streamed chat call whose engine sends ``chunks`` then ``[DONE]``."""
+    calls, records = len(env.up.calls), env.n_records()
+    env.up.plan = ("stream", chunks, "done")
+    try:
+        env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                        json={**VALID["chat/completions"], "stream": True})
+    finally:
+        env.up.plan = None
+    settle(env, calls, records)
+    return last_record(env)
+
+
 def test_a_stream_whose_tool_call_indexes_are_not_integers_is_recorded_as_an_error(env):
     """Round 5: tool-call deltas with indexes 0 and "x" (or 0 and null) made ``sorted`` fail after the stream: the
     agent got an internal_error event and *no record* was written. Now a malformed answer, recorded."""
@@ -583,15 +596,7 @@ def test_a_stream_whose_tool_call_indexes_are_not_integers_is_recorded_as_an_err
         deltas = [b'data: {"id":"c","object":"chat.completion.chunk","model":"up","choices":[{"index":0,"delta":'
                   b'{"tool_calls":[{"index":' + i.encode() + b',"id":"t","function":{"name":"f","arguments":"{}"}}]},'
                   b'"finish_reason":null,"token_ids":[5]}]}\n\n' for i in ("0", second)]
-        calls, records = len(env.up.calls), env.n_records()
-        env.up.plan = ("stream", [role, *deltas], "done")
-        try:
-            env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
-                            json={**VALID["chat/completions"], "stream": True})
-        finally:
-            env.up.plan = None
-        settle(env, calls, records)
-        rec = last_record(env)
+        rec = streamed_record(env, [role, *deltas])
         assert rec.status == "error" and "index" in (rec.error or ""), (second, rec.error)
 
 
@@ -601,15 +606,8 @@ def test_an_error_beside_choices_and_an_empty_finish_reason_are_errors(env):
     role, first, *rest = good_stream_chunks()
     chunk = orjson.loads(first[len(b"data: "):])
     chunk["error"] = {"message": "engine died"}
-    calls, records = len(env.up.calls), env.n_records()
-    env.up.plan = ("stream", [role, b"data: " + orjson.dumps(chunk) + b"\n\n", *rest], "done")
-    try:
-        env.client.post(f"{env.gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
-                        json={**VALID["chat/completions"], "stream": True})
-    finally:
-        env.up.plan = None
-    settle(env, calls, records)
-    assert last_record(env).status == "error" and "engine died" in last_record(env).error
+    rec = streamed_record(env, [role, b"data: " + orjson.dumps(chunk) + b"\n\n", *rest])
+    assert rec.status == "error" and "engine died" in rec.error
     body = good_chat()
     body["choices"][0]["finish_reason"] = ""
     env.up.plan = ("body", 200, orjson.dumps(body))
