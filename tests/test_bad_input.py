@@ -563,12 +563,14 @@ def test_reward_must_be_a_finite_number(env):
     """A reward is a JSON number (CONTRACT §1: ``<float>``) within ±REWARD_LIMIT: strings ("inf" would be stored
     as null, "1_000" read as 1000), booleans and rewards that would overflow the advantage are refused with 400."""
     url = f"{env.gw.url}/rollouts/r1/attempts/0/reward"
+    # (an earlier test of this module's shared env may have posted a valid reward to r1: compare with that)
+    before = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}")).reward
     for value in ("inf", "-Infinity", "nan", "1e999", "0.25", True, "1_000", 1e10, -3e38, 1e308):
         resp = env.client.post(url, json={"value": value})
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (value, resp.text)
     resp = env.client.post(url, json={"value": 0.25, "message": "x" * 5000})
     assert resp.status_code == 400 and "message" in resp.text
-    assert Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}")).reward is None  # nothing stored
+    assert Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}")).reward == before  # nothing stored
     assert env.client.post(url, json={"value": 1}).status_code == 200
     assert env.client.post(url, json={"value": 0.25}).status_code == 200
     stored = Rollout.model_validate_json(env.r.get(env.prefix + "rollout:{r1}"))
