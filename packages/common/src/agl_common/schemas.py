@@ -201,6 +201,14 @@ class CallRecord(BaseModel):
     ended_at: float = 0.0
 
 
+def first_choice(call: CallRecord) -> dict[str, Any]:
+    """``choices[0]`` of a recorded chat or completions answer, ``{}`` when the answer has no such object (an error,
+    another route, an odd shape). Its ``message`` (chat) may still be anything: check before use."""
+    resp = call.response if isinstance(call.response, dict) else {}
+    choices = resp.get("choices") if call.route in ("chat", "completions") else None
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+
+
 def answer_text(call: CallRecord) -> str:
     """The assistant's text in a recorded answer, whatever the route: chat ``choices[0].message.content`` (a
     string or a list of text parts), completions ``choices[0].text``, Anthropic Messages ``content`` text blocks,
@@ -218,8 +226,7 @@ def answer_text(call: CallRecord) -> str:
                        and isinstance(p.get("text"), str))
 
     if call.route in ("chat", "completions"):
-        choices = resp.get("choices")
-        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        first = first_choice(call)
         msg = first.get("message")
         if isinstance(msg, dict):
             return texts(msg.get("content"), ("text",))

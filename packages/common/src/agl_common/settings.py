@@ -23,6 +23,15 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_env_names(names: list[str] | tuple[str, ...], what: str = "pass-env") -> list[str]:
+    """``names`` as a list if each is an environment variable name or an ``fnmatch`` glob (``MY_*``): not empty,
+    no ``=``. Raises ``ValueError`` naming ``what`` (``--pass-env``, a config's ``harness_env``) otherwise."""
+    for name in names:
+        if not name or "=" in name:
+            raise ValueError(f"{what}: {name!r} is not a variable name (or a glob like LC_*)")
+    return list(names)
+
+
 def redacted_url(url: str) -> str:
     """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
     in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter redis-py reads

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from agl_common.auth import scoped_key
 from agl_common.schemas import Rollout
+from agl_common.settings import check_env_names
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
@@ -63,10 +64,7 @@ def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
 
     Raises ``ValueError`` for an empty name or one with ``=``.
     """
-    patterns = list(names)
-    for pat in patterns:
-        if not pat or "=" in pat:
-            raise ValueError(f"pass-env: {pat!r} is not a variable name (or a glob like LC_*)")
+    patterns = check_env_names(list(names))
     return {k: v for k, v in environ.items()
             if k not in NEVER_PASSED and any(fnmatch.fnmatchcase(k, pat) for pat in patterns)}
 

@@ -7,12 +7,15 @@ the held-out evaluations before and after; how they were chosen: docs/learning.m
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, engine_base_urls, redacted_url
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_prefix, engine_base_urls,
+                                 redacted_url)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -211,8 +214,6 @@ class TrainConfig(BaseModel):
     @field_validator("command")
     @classmethod
     def _command(cls, v: str) -> str:
-        import shlex
-
         if not shlex.split(v):  # (an unclosed quote: ValueError)
             raise ValueError("command is empty")
         return v
@@ -222,8 +223,6 @@ class TrainConfig(BaseModel):
     def _preload(cls, v: list[str]) -> list[str]:
         # the form only: whether it imports is the controller's interpreter's business (the verl entry point runs in
         # another venv), checked when the controller starts (exit 2)
-        import re
-
         for name in v:
             if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
                 raise ValueError(f"preload: {name!r} is not a module name")
@@ -232,16 +231,11 @@ class TrainConfig(BaseModel):
     @field_validator("harness_env")
     @classmethod
     def _harness_env(cls, v: list[str]) -> list[str]:
-        for name in v:
-            if not name or "=" in name:
-                raise ValueError(f"harness_env: {name!r} is not a variable name (or a glob like MY_*)")
-        return v
+        return check_env_names(v, "harness_env")
 
     @field_validator("reward_fn")
     @classmethod
     def _reward_fn(cls, v: str | None) -> str | None:
-        import re
-
         if v is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
             raise ValueError(f"reward_fn: {v!r} is not module:function")
         return v

@@ -88,7 +88,6 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
     """Raise :class:`NotResumable` if ``cfg``'s roles differ from those the run at ``run_dir`` was trained with
     (its ``config.json``): each role's weights and optimizer are in ``checkpoint/{role}``. Checked before any
     service starts."""
-
     try:
         before = json.loads((run_dir / "config.json").read_text()).get("roles") or {}
     except (OSError, ValueError, AttributeError):

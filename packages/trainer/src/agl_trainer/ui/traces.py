@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from agl_common.schemas import CallRecord, Rollout, answer_text
+from agl_common.schemas import CallRecord, Rollout, answer_text, first_choice
 from agl_common.store import Store
 
 from ..algorithm.aggregate import AggregateStats, Row, build_rows
@@ -210,8 +210,7 @@ def message_text(call: CallRecord) -> str:
     if call.status != "ok":
         return call.error or ""
     text = answer_text(call)
-    choices = (call.response or {}).get("choices") if call.route == "chat" else None
-    msg = choices[0].get("message") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    msg = first_choice(call).get("message")
     calls = msg.get("tool_calls") if isinstance(msg, dict) else None
     for tc in calls if isinstance(calls, list) else []:
         fn = tc.get("function") if isinstance(tc, dict) else None
