@@ -618,3 +618,18 @@ def test_an_error_beside_choices_and_an_empty_finish_reason_are_errors(env):
     finally:
         env.up.plan = None
     assert last_record(env).status == "error" and "no finish reason" in last_record(env).error, resp.text
+
+
+def test_stream_logprobs_that_add_up_but_belong_to_other_chunks_are_errors(env):
+    """Round 5: chunk logprob counts that differed from their chunk's ids (2 ids with 1 logprob, then 1 id with 2)
+    but added up were recorded ok: each token's behaviour logprob would be another token's."""
+    chunks = [orjson.loads(c[len(b"data: "):]) if c.startswith(b"data: {") else c for c in good_stream_chunks()]
+    carrying = [c for c in chunks if isinstance(c, dict) and c["choices"] and c["choices"][0].get("token_ids")]
+    assert len(carrying) >= 2
+    a, b = carrying[0]["choices"][0], carrying[1]["choices"][0]
+    moved = a["logprobs"]["content"].pop()  # a keeps its ids, loses one logprob; b gets it
+    b["logprobs"]["content"].insert(0, moved)
+    sent = [b"data: " + orjson.dumps(c) + b"\n\n" if isinstance(c, dict) else c for c in chunks]
+    rec = streamed_record(env, sent)
+    assert rec.status == "error" and "logprobs" in (rec.error or ""), rec.error
+    assert streamed_record(env, good_stream_chunks()).status == "ok"

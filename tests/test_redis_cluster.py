@@ -89,19 +89,22 @@ async def test_old_layout_is_refused_not_mixed(redis_url, prefix):
 
 async def test_a_retried_write_is_recorded_once(store):
     """The record script keys each write by a token: redis-py retrying after a lost reply adds nothing."""
+    await store.create_rollout(Rollout(rollout_id="r1"), enqueue=False)
     rec = CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={}, response={})
     body = rec.model_dump_json().encode()
     keys = [store.rollout_key("seq", "r1", "0"), store.rollout_key("calls", "r1"),
-            store.rollout_key("tokens", "r1", "0")]
-    first = await store._record_script(keys=keys, args=[body, "tok-1"])
-    again = await store._record_script(keys=keys, args=[body, "tok-1"])
-    other = await store._record_script(keys=keys, args=[body, "tok-2"])
+            store.rollout_key("tokens", "r1", "0"), store.rollout_key("rollout", "r1")]
+    bounds = ["0", 100, 10**9]
+    first = await store._record_script(keys=keys, args=[body, "tok-1", *bounds])
+    again = await store._record_script(keys=keys, args=[body, "tok-1", *bounds])
+    other = await store._record_script(keys=keys, args=[body, "tok-2", *bounds])
     assert (first, again, other) == (0, 0, 1)
     assert [c.seq for c in await store.read_calls("r1")] == [0, 1]
 
 
 async def test_waiting_for_replicas_that_do_not_exist_is_not_an_acknowledgement(redis_url, prefix):
     s = Store(redis_url, prefix, wait_replicas=1, wait_timeout_ms=50)  # the shared Redis has no replica
+    await s.create_rollout(Rollout(rollout_id="r1"), enqueue=False)
     rec = CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={}, response={})
     try:
         with pytest.raises(NotReplicated, match="0 of 1 replicas"):

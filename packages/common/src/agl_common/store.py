@@ -14,7 +14,8 @@ key                                 type      holds
 ``P calls:{rid}``                   stream    one entry per recorded model call, field ``d``
 ``P seq:{rid}:{aid}``               string    call counter of one attempt (next ``seq``)
 ``P tokens:{rid}:{aid}``            hash      write token → ``seq`` of each recorded call (a retried write
-                                              of the same call is recognised, not recorded twice)
+                                              of the same call is recognised, not recorded twice); field
+                                              ``_bytes``: the bytes the attempt's records hold
 ``P events:{rid}``                  stream    custom events posted by the agent
 ``P {E}:layout``                    string    the key layout's version (:data:`LAYOUT_VERSION`)
 ``P {E}:rollouts``                  zset      rollout ids scored by creation time (Unix s)
@@ -107,18 +108,49 @@ if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[2]) then return false end
 return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
 """
 
+#: KEYS: seq, calls, tokens, the rollout (one slot); ARGV: record JSON, write token, attempt id, most calls and
+#: most record bytes an attempt may hold. The rollout is read in the same step as the write: a call held by a
+#: pause, or in flight, while its rollout finished or its attempt was retried is refused here, whatever the
+#: gateway checked when the call came in. Negative returns: see :data:`RECORD_REFUSED`.
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then
   redis.call('HSET', KEYS[3], ARGV[2], done)
   return tonumber(done)
 end
+local raw = redis.call('GET', KEYS[4])
+if not raw then return -1 end
+local ok, rollout = pcall(cjson.decode, raw)
+if not ok or type(rollout) ~= 'table' then return -1 end
+if rollout['attempt_id'] ~= ARGV[3] then return -2 end
+if rollout['status'] ~= 'queuing' and rollout['status'] ~= 'running' then return -3 end
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return -4 end
+if tonumber(redis.call('HGET', KEYS[3], '_bytes') or '0') + string.len(ARGV[1]) > tonumber(ARGV[5]) then
+  return -5
+end
 local seq = redis.call('INCR', KEYS[1]) - 1
 local body = string.gsub(ARGV[1], '"seq":%-1', '"seq":' .. seq, 1)
 redis.call('XADD', KEYS[2], '*', 'd', body)
 redis.call('HSET', KEYS[3], ARGV[2], seq)
+redis.call('HINCRBY', KEYS[3], '_bytes', string.len(ARGV[1]))
 return seq
 """
+
+#: the record script's refusals: return value → :class:`RecordRefused` code
+RECORD_REFUSED = {-1: "rollout_not_found", -2: "stale_attempt", -3: "rollout_finished", -4: "too_many_calls",
+                  -5: "too_many_bytes"}
+#: an attempt's default bounds (a harness holding a scoped key cannot fill Redis through model calls)
+CALLS_PER_ATTEMPT_MAX = 10_000
+RECORD_BYTES_PER_ATTEMPT_MAX = 256 * 1024 * 1024
+
+
+class RecordRefused(RuntimeError):
+    """A call record the store would not write: ``code`` is one of :data:`RECORD_REFUSED`'s values (the
+    rollout is gone, another attempt runs, it finished, or the attempt holds its most calls or bytes)."""
+
+    def __init__(self, code: str, rollout_id: str, attempt_id: str):
+        super().__init__(f"record of {rollout_id!r} attempt {attempt_id!r} refused: {code}")
+        self.code, self.rollout_id, self.attempt_id = code, rollout_id, attempt_id
 
 
 class RolloutNotFound(KeyError):
@@ -444,8 +476,14 @@ class Store:
                                                  record.model_dump_json().encode())
         return record
 
-    async def record_call_json(self, rollout_id: str, attempt_id: str, record_json: bytes) -> int:
+    async def record_call_json(self, rollout_id: str, attempt_id: str, record_json: bytes,
+                               max_calls: int = CALLS_PER_ATTEMPT_MAX,
+                               max_bytes: int = RECORD_BYTES_PER_ATTEMPT_MAX) -> int:
         """:meth:`record_call` for a record already serialized (the gateway's hot path); returns its ``seq``.
+
+        Written only while the rollout is queuing or running under ``attempt_id``, and while the attempt holds
+        fewer than ``max_calls`` records of fewer than ``max_bytes`` bytes in all (checked in the same step as
+        the write); otherwise raises :class:`RecordRefused`.
 
         ``record_json`` must be :class:`CallRecord` JSON with ``"seq":-1`` as its third field. The script is
         sent by hash (EVALSHA; loaded with SCRIPT LOAD when a node does not know it yet). Each call carries a
@@ -454,10 +492,10 @@ class Store:
         (one round trip); fewer replicas in time raises :class:`NotReplicated`.
         """
         keys = [self.rollout_key("seq", rollout_id, attempt_id), self.rollout_key("calls", rollout_id),
-                self.rollout_key("tokens", rollout_id, attempt_id)]
-        args = [record_json, uuid.uuid4().hex]
+                self.rollout_key("tokens", rollout_id, attempt_id), self.rollout_key("rollout", rollout_id)]
+        args = [record_json, uuid.uuid4().hex, attempt_id, max_calls, max_bytes]
         if not self.wait_replicas:
-            return int(await self._record_script(keys=keys, args=args))
+            return self._written(await self._record_script(keys=keys, args=args), rollout_id, attempt_id)
         if not self.cluster:
             # One connection: redis-py re-sends the whole pipeline on a new connection after a connection
             # error; a write already done is then re-stamped by the script, so the WAIT still covers it.
@@ -470,10 +508,20 @@ class Store:
                     break
                 except NoScriptError:
                     await self.r.script_load(_RECORD_CALL)
-            return self._replicated(seq, acked, keys[1])
-        return await self._record_and_wait_cluster(keys, args)
+            return self._written(self._replicated(seq, acked, keys[1]), rollout_id, attempt_id)
+        return self._written(await self._record_and_wait_cluster(keys, args), rollout_id, attempt_id)
+
+    @staticmethod
+    def _written(seq: Any, rollout_id: str, attempt_id: str) -> int:
+        """The record script's answer as a ``seq``; raises :class:`RecordRefused` for a refusal."""
+        seq = int(seq)
+        if seq < 0:
+            raise RecordRefused(RECORD_REFUSED[seq], rollout_id, attempt_id)
+        return seq
 
     def _replicated(self, seq: Any, acked: Any, what: str) -> int:
+        if int(seq) < 0:  # refused: nothing was written for the replicas to hold
+            return int(seq)
         if int(acked) < self.wait_replicas:
             raise NotReplicated(f"{acked} of {self.wait_replicas} replicas acknowledged the record of {what} "
                                 f"within {self.wait_timeout_ms} ms")

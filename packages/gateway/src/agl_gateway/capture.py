@@ -195,7 +195,7 @@ class StreamCapture:
         self.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.cap = Captured()
         self.lps: list[float] = []
-        self.lps_missing = False  # a token came without its logprob: the capture has none
+        self.lps_missing = False  # a chunk's token came without its logprob: the capture has none
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.first: dict[str, Any] | None = None
@@ -229,8 +229,8 @@ class StreamCapture:
                     raise MalformedUpstream("'logprobs' is not an object")
                 content = lp.get("content") or []
                 got = token_logprobs(content, "logprobs.content")
-                if got is None:
-                    self.lps_missing = True
+                if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
+                    self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
                 else:
                     self.lps += got
                 delta = ch.get("delta") or {}

@@ -29,6 +29,11 @@ def serve(
     max_hold: float = typer.Option(_D["max_hold"].default, envvar="AGL_MAX_HOLD",
                                    help="seconds a call may be held by a pause before 503"),
     max_body_bytes: int = typer.Option(_D["max_body_bytes"].default, envvar="AGL_MAX_BODY_BYTES"),
+    max_calls_per_attempt: int = typer.Option(_D["max_calls_per_attempt"].default, envvar="AGL_MAX_CALLS_PER_ATTEMPT",
+                                              help=_D["max_calls_per_attempt"].description),
+    max_record_bytes_per_attempt: int = typer.Option(_D["max_record_bytes_per_attempt"].default,
+                                                     envvar="AGL_MAX_RECORD_BYTES_PER_ATTEMPT",
+                                                     help=_D["max_record_bytes_per_attempt"].description),
     otel: bool = typer.Option(_D["otel"].default, "--otel", envvar="AGL_OTEL",
                               help="emit an OpenTelemetry GenAI span per model call (OTLP/HTTP; configured by the "
                               "standard OTEL_* variables)"),
@@ -42,7 +47,8 @@ def serve(
     try:
         settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
                                    port=port, key=key, open=open_, max_hold=max_hold,
-                                   max_body_bytes=max_body_bytes, otel=otel)
+                                   max_body_bytes=max_body_bytes, max_calls_per_attempt=max_calls_per_attempt,
+                                   max_record_bytes_per_attempt=max_record_bytes_per_attempt, otel=otel)
     except ValidationError as exc:
         errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         typer.echo(f"error: invalid gateway settings: {errors}", err=True)

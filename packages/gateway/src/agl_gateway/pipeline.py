@@ -107,10 +107,13 @@ def check_conversation(messages: Any) -> None:
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
     ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
-    boolean: ``"false"`` would otherwise read as true)."""
+    boolean: ``"false"`` would otherwise read as true; and for a ``stream_options`` that is not an object, which
+    the engine or a synthesized stream would fail on after the call)."""
     for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise bad_request(f"'{flag}' must be true or false, got {body[flag]!r:.40}")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise bad_request(f"'stream_options' must be an object, got {body['stream_options']!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
     if spec.path == "/chat/completions":
         check_conversation(upstream.get("messages"))

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 from agl_common.schemas import CallRecord, Policy
+from agl_common.store import RecordRefused
 from redis.exceptions import RedisError
 
 from .capture import TOKEN_ID_LIMIT, Captured, check
@@ -48,9 +49,24 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
     rec["ended_at"] = time.time()
 
 
+#: the store's refusal of a record → the agent's answer (the rollout's state is read where the record is written)
+_REFUSED = {"rollout_not_found": (404, "not_found_error", "is gone"),
+            "stale_attempt": (409, "conflict_error", "was retried: this attempt is over"),
+            "rollout_finished": (409, "conflict_error", "has finished"),
+            "too_many_calls": (429, "rate_limit_error", "attempt holds the most call records it may"),
+            "too_many_bytes": (429, "rate_limit_error", "attempt holds the most call record bytes it may")}
+
+
+def refused(exc: RecordRefused) -> ApiError:
+    """The agent's answer to a record the store refused (:class:`agl_common.store.RecordRefused`)."""
+    status, type_, what = _REFUSED[exc.code]
+    return ApiError(status, f"rollout {exc.rollout_id!r} {what}; the call was not recorded", type_, exc.code)
+
+
 async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     """Write the record to Redis (before the agent gets its answer); ``ApiError`` 503 if Redis does not
-    acknowledge it.
+    acknowledge it, 404/409 if the rollout is gone, finished or on another attempt by now (a call held by a
+    pause, or in flight, while it ended), 429 once the attempt holds its most calls or bytes.
 
     One ``orjson.dumps`` of the :func:`new_record` dict gives the :class:`CallRecord` JSON (same fields,
     same order, ``"seq":-1`` third, replaced by the store's script), without building the model.
@@ -61,7 +77,11 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
         payload = CallRecord.model_validate(rec).model_dump_json().encode()
     try:
-        seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload)
+        seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload,
+                                              st.settings.max_calls_per_attempt,
+                                              st.settings.max_record_bytes_per_attempt)
+    except RecordRefused as exc:
+        raise refused(exc) from None
     except RedisError as exc:
         log.warning("record of %s/%s not written: %r", rec["rollout_id"], rec["attempt_id"], exc)
         raise store_down() from None

@@ -6,13 +6,14 @@ import os
 import socket
 
 from agl_common.settings import CommonSettings, engine_base_urls
+from agl_common.store import CALLS_PER_ATTEMPT_MAX, RECORD_BYTES_PER_ATTEMPT_MAX
 from pydantic import Field, field_validator
 
 
 class GatewaySettings(CommonSettings):
     """Defaults here are the single source for the CLI and the docs.
 
-    Units: seconds for every ``*_s`` field, bytes for ``max_body_bytes``.
+    Units: seconds for every ``*_s`` field, bytes for ``max_body_bytes`` and ``max_record_bytes_per_attempt``.
     """
 
     upstream: str = "http://127.0.0.1:8000/v1"
@@ -23,6 +24,11 @@ class GatewaySettings(CommonSettings):
     open: bool = False
     max_hold: float = Field(default=600.0, ge=0, allow_inf_nan=False)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    max_calls_per_attempt: int = Field(default=CALLS_PER_ATTEMPT_MAX, ge=1, description=(
+        "model calls one attempt of a rollout may record; beyond: 429 too_many_calls"))
+    max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
+        "bytes the call records of one attempt may hold in Redis; beyond: 429 too_many_bytes (a harness "
+        "holding a scoped key cannot fill Redis)"))
     upstream_timeout_s: float = 600.0
     heartbeat_s: float = 1.0
     otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables

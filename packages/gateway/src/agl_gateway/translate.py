@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from .errors import bad_request
+from .errors import ApiError, bad_request
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
@@ -108,31 +108,130 @@ def _dump(obj: Any) -> dict[str, Any]:
     return orjson.loads(obj.model_dump_json(by_alias=True, exclude_none=False))
 
 
-def _check_turns(turns: Any, roles: tuple[str, ...], what: str, content_required: bool) -> None:
-    """Every turn of a translated conversation names a known role and, where required, has a content
-    (a string or a list of blocks). LiteLLM's adapters drop a turn they cannot read without a word: a
-    ``"robot"`` turn, or an Anthropic ``content: 5``, would reach the engine as a conversation without
-    it, and the agent would get an answer to a question it did not ask. Raises ``ApiError`` 400."""
-    for i, turn in enumerate(turns):
+# What each translated route carries to the engine faithfully. LiteLLM's adapters drop, without a word, a
+# turn, block or tool they cannot read (a ``"robot"`` turn, an Anthropic ``content: 5``, a ``document`` block, a
+# ``web_search`` server tool, a ``tool_result`` whose content is a number): the engine would answer a
+# conversation other than the one the agent sent, and the record would train on it. Anything outside these
+# tables is a 400 naming what is not supported. Earlier reasoning (Anthropic ``thinking``, Responses
+# ``reasoning`` items) is accepted and not sent to the engine, as chat templates drop earlier reasoning.
+_ANTHROPIC_BLOCKS = {"user": ("text", "image", "tool_result"),
+                     "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+_TOOL_RESULT_BLOCKS = ("text", "image")
+_RESPONSES_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+_RESPONSES_PARTS = ("input_text", "output_text", "input_image", "refusal")
+#: field → required type, per block or item type (a missing field is refused as a wrong type)
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "text": {"text": str}, "image": {"source": dict}, "tool_use": {"id": str, "name": str, "input": dict},
+    "tool_result": {"tool_use_id": str}, "input_text": {"text": str}, "output_text": {"text": str},
+    "refusal": {"refusal": str}, "function_call": {"call_id": str, "name": str, "arguments": str},
+    "function_call_output": {"call_id": str, "output": (str, list)},
+}
+
+
+def _refuse(what: str, where: str, problem: str) -> ApiError:
+    return bad_request(f"invalid {what} request: {where} {problem}")
+
+
+def _check_fields(obj: dict, kind: str, what: str, where: str) -> None:
+    for field, kinds in _FIELDS.get(kind, {}).items():
+        if not isinstance(obj.get(field), kinds):
+            raise _refuse(what, where, f"({kind}) needs {field!r} of type "
+                          f"{'/'.join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))}, "
+                          f"got {obj.get(field)!r:.40}")
+
+
+def _check_blocks(blocks: Any, allowed: tuple[str, ...], what: str, where: str) -> None:
+    """``blocks`` is a string or a list of objects whose ``type`` is in ``allowed``, each with its fields."""
+    if isinstance(blocks, str):
+        return
+    if not isinstance(blocks, list):
+        raise _refuse(what, where, f"must be a string or a list of blocks, got {blocks!r:.40}")
+    for j, block in enumerate(blocks):
+        at = f"{where} block {j}"
+        if not isinstance(block, dict):
+            raise _refuse(what, at, f"must be an object, got {block!r:.40}")
+        kind = block.get("type")
+        if kind not in allowed:
+            raise _refuse(what, at, f"has type {kind!r:.40}, which this gateway does not translate; "
+                          f"supported here: {', '.join(allowed)}")
+        _check_fields(block, kind, what, at)
+        if kind == "tool_result" and "content" in block:
+            _check_blocks(block["content"], _TOOL_RESULT_BLOCKS, what, f"{at} content")
+
+
+def check_anthropic(body: dict[str, Any]) -> None:
+    """Raise ``ApiError`` 400 unless every turn, block, system prompt and tool of an Anthropic Messages request
+    is one this gateway translates faithfully (see the tables above)."""
+    what = "Anthropic Messages"
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise _refuse(what, "'messages'", f"must be a list, got {messages!r:.40}")
+    for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
-            raise bad_request(f"invalid {what} request: item {i} must be an object, got {turn!r:.40}")
-        if "role" in turn or content_required:
-            if turn.get("role") not in roles:
-                raise bad_request(f"invalid {what} request: item {i} has role {turn.get('role')!r:.40}; "
-                                  f"expected one of {', '.join(roles)}")
-            content = turn.get("content")
-            if (content_required or "content" in turn) and not isinstance(content, str | list):
-                raise bad_request(f"invalid {what} request: item {i} content must be a string or a list of "
-                                  f"blocks, got {content!r:.40}")
+            raise _refuse(what, f"message {i}", f"must be an object, got {turn!r:.40}")
+        role = turn.get("role")
+        if role not in _ANTHROPIC_BLOCKS:
+            raise _refuse(what, f"message {i}", f"has role {role!r:.40}; expected one of user, assistant")
+        _check_blocks(turn.get("content"), _ANTHROPIC_BLOCKS[role], what, f"message {i} content")
+    if "system" in body and body["system"] is not None:
+        _check_blocks(body["system"], ("text",), what, "'system'")
+    _check_tools(body.get("tools"), what, lambda tool: tool.get("type", "custom") == "custom"
+                 and isinstance(tool.get("name"), str))
+
+
+def check_responses(body: dict[str, Any]) -> None:
+    """Raise ``ApiError`` 400 unless a Responses request is one this gateway translates faithfully: an
+    ``input`` string or list of message / function_call / function_call_output / reasoning items, string
+    ``instructions``, function tools only, and no ``previous_response_id`` or ``conversation`` (the gateway
+    keeps no conversation state: send the whole conversation in ``input``)."""
+    what = "Responses"
+    for field in ("previous_response_id", "conversation"):
+        if body.get(field) is not None:
+            raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state): "
+                          "send the whole conversation in 'input'")
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise _refuse(what, "'instructions'", f"must be a string, got {body['instructions']!r:.40}")
+    items = body.get("input")
+    if "input" not in body:
+        raise bad_request("invalid Responses request: 'input' is required")
+    if not isinstance(items, str | list):
+        raise _refuse(what, "'input'", f"must be a string or a list of items, got {items!r:.40}")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if not isinstance(item, dict):
+            raise _refuse(what, f"item {i}", f"must be an object, got {item!r:.40}")
+        kind = item.get("type", "message")
+        if kind not in _RESPONSES_ITEMS:
+            raise _refuse(what, f"item {i}", f"has type {kind!r:.40}, which this gateway does not translate; "
+                          f"supported here: {', '.join(_RESPONSES_ITEMS)}")
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise _refuse(what, f"item {i}", f"has role {item.get('role')!r:.40}; expected one of user, "
+                              "assistant, system, developer")
+            _check_blocks(item.get("content"), _RESPONSES_PARTS, what, f"item {i} content")
+        _check_fields(item, kind, what, f"item {i}")
+    _check_tools(body.get("tools"), what, lambda tool: tool.get("type") == "function"
+                 and isinstance(tool.get("name"), str))
+
+
+def _check_tools(tools: Any, what: str, is_function: Any) -> None:
+    """Only tools the agent runs itself (functions): a provider's server tools (web search, code execution,
+    computer use) have no engine to run them, and LiteLLM would turn some into other options."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _refuse(what, "'tools'", f"must be a list, got {tools!r:.40}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not is_function(tool):
+            raise _refuse(what, f"tool {i}", f"is not a function tool with a name ({tool!r:.60}); server tools "
+                          "are not supported: the engine cannot run them")
 
 
 # --------------------------------------------------------------------------------------- Anthropic
 def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """Anthropic Messages request → Chat Completions request. Raises ``ApiError`` 400 for a turn with a role
-    other than ``user``/``assistant`` or without a string/list content, or if LiteLLM refuses it."""
+    """Anthropic Messages request → Chat Completions request. Raises ``ApiError`` 400 for anything
+    :func:`check_anthropic` refuses, or if LiteLLM refuses it."""
     _, adapter, _ = _litellm()
-    if isinstance(body.get("messages"), list):
-        _check_turns(body["messages"], ("user", "assistant"), "Anthropic Messages", content_required=True)
+    check_anthropic(body)
     try:
         req = adapter.translate_completion_input_params(
             {k: v for k, v in body.items() if k not in ("stream",)})
@@ -186,18 +285,10 @@ def _responses_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI Responses request → Chat Completions request. Raises ``ApiError`` 400 on a bad request: no
-    ``input``, one that is neither a string nor a list of items, an item that is not an object, or a message
-    item with a role other than ``user``/``assistant``/``system``/``developer``."""
+    """OpenAI Responses request → Chat Completions request. Raises ``ApiError`` 400 for anything
+    :func:`check_responses` refuses, or if LiteLLM refuses it."""
     _, _, config = _litellm()
-    if "input" not in body:
-        raise bad_request("invalid Responses request: 'input' is required")
-    if not isinstance(body["input"], str | list):
-        raise bad_request(f"invalid Responses request: 'input' must be a string or a list of items, "
-                          f"got {body['input']!r:.40}")
-    if isinstance(body["input"], list):
-        _check_turns(body["input"], ("user", "assistant", "system", "developer"), "Responses",
-                     content_required=False)
+    check_responses(body)
     try:
         req = config.transform_responses_api_request_to_chat_completion_request(
             model=str(body.get("model") or "m"), input=body["input"], responses_api_request=_responses_params(body))

@@ -1,0 +1,150 @@
+"""Hostile input, round 6 (docs/operations.md "Hostile input"): what round 5 left open and a fresh probing round
+found."""
+
+from __future__ import annotations
+
+import httpx
+
+from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
+
+USER = [{"role": "user", "content": "3+4?"}]
+CALL = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]
+
+#: (route, body, a word the 400 must hold): each was translated without it (LiteLLM dropped the part it could
+#: not read) and the engine answered another conversation than the one the agent sent
+DROPPED = [
+    ("messages", {"system": 5, "messages": USER}, "'system'"),
+    ("messages", {"system": {"a": 1}, "messages": USER}, "'system'"),
+    ("messages", {"system": [{"type": "image", "source": {}}], "messages": USER}, "'image'"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "weird"}, {"type": "text", "text": "q"}]}]},
+     "'weird'"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text",
+                                                                                           "data": "x"}}]}]},
+     "'document'"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "'text'"),
+    ("messages", {"messages": CALL + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                                    "content": 5}]}]}, "content"),
+    ("messages", {"messages": CALL + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                                    "content": [{"type": "weird"}]}]}]}, "'weird'"),
+    ("messages", {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                                  "input": "x"}]}]}, "'input'"),
+    ("messages", {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server"),
+    ("messages", {"messages": "hi"}, "'messages'"),
+    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("responses", {"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "server"),
+    ("responses", {"input": "hi", "instructions": 5}, "'instructions'"),
+    ("responses", {"input": [{"type": "weird"}]}, "'weird'"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, 5]}]}, "object"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "'input_file'"),
+    ("responses", {"input": [{"type": "function_call_output", "call_id": "c1", "output": 5}]}, "'output'"),
+]
+
+
+async def test_a_translated_call_the_gateway_cannot_carry_whole_is_a_400_and_never_reaches_the_engine(
+        store, redis_url, prefix, upstream):
+    """Anthropic ``system: 5``, unknown blocks, a ``tool_result`` with ``content: 5``, a Responses
+    ``previous_response_id`` or a server tool were dropped by the translation without a word (the answer was to
+    another conversation, and recorded ``ok``)."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            for route, body, word in DROPPED:
+                body = {"model": "m", "max_tokens": 5, **body}
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", json=body)
+                assert r.status_code == 400, (route, body, r.status_code, r.text)
+                assert word in r.text, (route, body, r.text)
+            assert upstream.app.state.calls == []
+            # what is carried whole still goes through: text, images, tool results, earlier reasoning
+            fine = [("messages", {"system": [{"type": "text", "text": "S"}], "messages": CALL + [
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                      "content": [{"type": "text", "text": "r"}]}]}]}),
+                    ("messages", {"messages": [{"role": "assistant", "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "text", "text": "7"}]},
+                        *USER]}),
+                    ("responses", {"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": [
+                        {"type": "input_text", "text": "q"}]}], "instructions": "S",
+                        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})]
+            for route, body in fine:
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}",
+                                 json={"model": "m", "max_tokens": 5, **body})
+                assert r.status_code == 200, (route, r.text)
+    assert len(upstream.app.state.calls) == len(fine)
+
+
+async def test_stream_options_that_is_not_an_object_is_a_400_on_every_route(store, redis_url, prefix, upstream):
+    """Round 5: a synthesized stream (chat with tools) with ``stream_options: 5`` failed after the engine's answer
+    (502, the call spent); a live stream passed it on to the engine."""
+    await make_rollout(store, "r1")
+    tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            for extra in ({"tools": tool}, {}):
+                for odd in (5, "x", [True]):
+                    r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={
+                        "model": "m", "messages": USER, "stream": True, "stream_options": odd, **extra})
+                    assert r.status_code == 400 and "stream_options" in r.text, (extra, odd, r.status_code, r.text)
+            assert upstream.app.state.calls == []
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={
+                "model": "m", "messages": USER, "stream": True, "stream_options": {"include_usage": True},
+                "tools": tool})
+            assert r.status_code == 200 and '"usage"' in r.text
+
+
+async def test_a_record_is_written_only_for_the_rollouts_running_attempt_and_within_its_bounds(store):
+    """Round 6: the record script wrote whatever it was sent: a call held by a pause (or in flight) while its
+    rollout succeeded, or its attempt was retried, was recorded ``ok``; and one scoped key could record calls
+    without end (each up to 8 MiB of request body)."""
+    import pytest
+    from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+    from agl_common.store import RecordRefused
+
+    def rec(rid, attempt="0", size=0):
+        return CallRecord(rollout_id=rid, attempt_id=attempt, seq=-1, route="chat", request={"x": "y" * size},
+                          response={}).model_dump_json().encode()
+
+    async def refused(code, rid, attempt="0", size=0, **bounds):
+        with pytest.raises(RecordRefused) as err:
+            await store.record_call_json(rid, attempt, rec(rid, attempt, size), **bounds)
+        assert err.value.code == code
+
+    await refused("rollout_not_found", "nobody")
+    await store.create_rollout(Rollout(rollout_id="r1"), enqueue=False)
+    assert await store.record_call_json("r1", "0", rec("r1")) == 0  # queuing: accepted
+    await refused("stale_attempt", "r1", "1")
+    await store.set_status("r1", RolloutStatus.running)
+    await store.set_status("r1", RolloutStatus.succeeded)
+    await refused("rollout_finished", "r1")
+    await store.create_rollout(Rollout(rollout_id="r2", status=RolloutStatus.running), enqueue=False)
+    await store.retry_attempt("r2", "0")
+    await refused("stale_attempt", "r2", "0")
+    await store.create_rollout(Rollout(rollout_id="r3", status=RolloutStatus.running), enqueue=False)
+    for k in range(3):
+        assert await store.record_call_json("r3", "0", rec("r3"), max_calls=3) == k
+    await refused("too_many_calls", "r3", max_calls=3)
+    await store.create_rollout(Rollout(rollout_id="r4", status=RolloutStatus.running), enqueue=False)
+    assert await store.record_call_json("r4", "0", rec("r4", size=600), max_bytes=1000) == 0
+    await refused("too_many_bytes", "r4", size=600, max_bytes=1000)
+    assert [c.seq for c in await store.read_calls("r3")] == [0, 1, 2] and len(await store.read_calls("r4")) == 1
+
+
+async def test_a_call_whose_rollout_ends_while_it_is_in_flight_is_refused_not_recorded(store, redis_url, prefix,
+                                                                                       upstream):
+    """The gateway checked the rollout once, when the call came in: a call held by a pause or in flight while its
+    rollout finished was answered 200 and recorded ``ok`` after the rollout's reward was computed."""
+    import asyncio
+
+    from agl_common.schemas import RolloutStatus
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            call = asyncio.create_task(c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                                              json={"model": "m", "messages": USER, "x_delay": 1.0}))
+            while not upstream.app.state.calls:
+                await asyncio.sleep(0.02)
+            await store.set_status("r1", RolloutStatus.succeeded)
+            r = await call
+    assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_finished", r.text
+    assert await store.read_calls("r1") == []
