@@ -94,8 +94,10 @@ async def test_reward_function_scores_final_output(store, gateway_url, tmp_path,
 
 async def test_concurrency_limit_and_shutdown_hands_runs_back(store, gateway_url, tmp_path):
     runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", concurrency=2)
-    for i in range(3):
-        await store.create_rollout(Rollout(rollout_id=f"s{i}", input={"calls": 1, "sleep": 30,
+    # each harness traps SIGTERM and exits 0, 143 or 1 (round 6: such runs were ended as the agent's failures, or
+    # as no_reward, instead of being handed back)
+    for i, on_term in enumerate((0, 143, 1)):
+        await store.create_rollout(Rollout(rollout_id=f"s{i}", input={"calls": 1, "sleep": 30, "on_term": on_term,
                                                                       "pid_out": str(tmp_path / f"{i}.pid")}))
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run_forever(stop))
@@ -143,6 +145,16 @@ async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gatew
     # environment: the forkserver is started with the allow-listed variables only
     proc_env = (tmp_path / "env.json.proc").read_bytes()
     assert b"k3y" not in proc_env and b"hunter2" not in proc_env and b"s3cret" not in proc_env, proc_env[:300]
+    if preload:  # round 6: a forkserver killed (by a harness, the OOM killer) came back with the whole environment
+        again = tmp_path / "again.json"
+        runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs",
+                             preload=preload, pass_env=["MY_*"])
+        for rid, inp in (("killer", {"kill_parent": True}), ("after", {"env_out": str(again)})):
+            await store.create_rollout(Rollout(rollout_id=rid, input={"calls": 1, "reward": 1.0, **inp}))
+            await runner.run_one(await store.pop_queued())
+        assert (await store.get_rollout("after")).status == RolloutStatus.succeeded
+        proc_env = (tmp_path / "again.json.proc").read_bytes()
+        assert b"k3y" not in proc_env and b"hunter2" not in proc_env and b"s3cret" not in proc_env, proc_env[:300]
 
 
 def test_pass_env_names_are_checked(store, gateway_url, tmp_path):
@@ -174,9 +186,11 @@ async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gate
 async def test_a_reward_function_that_returns_no_reward_or_exits_is_a_reward_error(store, gateway_url, tmp_path,
                                                                                     monkeypatch):
     """A ``--reward-fn`` returning NaN or inf left a *succeeded* rollout with reward null (1e39 overflowed the
-    advantage), and one calling ``sys.exit()`` ended the whole controller with every run it had in flight."""
+    advantage), and one calling ``sys.exit()`` ended the whole controller with every run it had in flight; an int
+    beyond float range (10**400, round 6) raised OverflowError past every handler and left the rollout running."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
-    kinds = ("nan", "inf", "big", "str", "bool", "bytes", "exit", "interrupt", "generator_exit", "hang", "ok")  # a str, bool or bytes is no
+    kinds = ("nan", "inf", "big", "hugeint", "str", "bool", "bytes", "exit", "interrupt", "generator_exit", "hang",
+             "ok")  # a str, bool or bytes is no
     # reward either (the gateway refuses them; float() made them 1000.0, 1.0 and 7.0)
     # (GeneratorExit left the rollout running; a hung one held it, and the controller ignored SIGTERM, for good:
     # a reward function gets a run's time at most, in a daemon thread that holds no exit)

@@ -4,6 +4,7 @@ found."""
 from __future__ import annotations
 
 import httpx
+import orjson
 
 from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
 
@@ -148,3 +149,79 @@ async def test_a_call_whose_rollout_ends_while_it_is_in_flight_is_refused_not_re
             r = await call
     assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_finished", r.text
     assert await store.read_calls("r1") == []
+
+
+# ------------------------------------------------------------------------------------------ the controller
+async def test_a_reward_function_that_changes_directory_moves_no_later_run(store, tmp_path, monkeypatch, redis_url,
+                                                                          prefix):
+    """A judge's ``os.chdir("/")`` made every later run fail ``exit_code:2`` (``can't open file '/harness.py'``)
+    with a relative command and log dir: the agent's failure, for the controller's change."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from agl_common.schemas import Rollout, RolloutStatus
+    from agl_controller import LocalRunner
+    from agl_gateway import GatewaySettings, create_app
+    from fakes import Served, fake_upstream
+
+    here = Path(__file__).parent
+    shutil.copy(here / "harnesses" / "scripted.py", tmp_path / "harness.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(here / "harnesses"))
+    with Served(fake_upstream()) as up, Served(create_app(GatewaySettings(
+            upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y"))) as gw:
+        runner = LocalRunner(store, gw.url, [sys.executable, "harness.py"], "m", key="k3y", log_dir="logs",
+                             reward_fn="rewards:hostile")
+        out = {}
+        for rid in ("first", "second"):
+            await store.create_rollout(Rollout(rollout_id=rid, input={"calls": 1, "kind": "chdir"}))
+            await runner.run_one(await store.pop_queued())
+            out[rid] = await store.get_rollout(rid)
+            assert Path.cwd() == Path("/")  # the judge moved the whole process
+    for rid in ("first", "second"):
+        assert (out[rid].status, out[rid].reward) == (RolloutStatus.succeeded, 0.5), (rid, out[rid].failure)
+    assert (tmp_path / "logs" / "second.0.log").exists()
+
+
+async def test_a_controller_under_a_live_id_is_refused_and_a_dead_ones_lease_is_waited_for(store):
+    """A second controller with the id of a live one adopted its claims at once: every running rollout ended
+    ``controller_lost`` (or ran twice) while the first was healthy."""
+    import asyncio
+    import time
+
+    import pytest
+    from agl_controller.base import ControllerIdLive, Runner
+
+    live = Runner(store, controller_id="ctl-x", lease_ttl_s=1.5)
+    stop = asyncio.Event()
+    renewing = asyncio.create_task(live.lease_loop(stop))
+    while await store.lease_of("ctl-x") is None:
+        await asyncio.sleep(0.02)
+    try:
+        with pytest.raises(ControllerIdLive, match="ctl-x"):
+            await Runner(store, controller_id="ctl-x", lease_ttl_s=1.5).take_lease()
+    finally:
+        stop.set()
+        await renewing
+    # a crash leaves the lease to expire: the next run under the id waits for it, then adopts
+    await store.renew_lease("ctl-y", 1.0)
+    t0 = time.monotonic()
+    await Runner(store, controller_id="ctl-y", lease_ttl_s=1.0).take_lease()
+    assert 0.5 < time.monotonic() - t0 < 3
+
+
+async def test_reward_and_event_routes_check_the_key_before_reading_a_body(store, redis_url, prefix, upstream):
+    """Round 6: /reward and /events parsed and judged the body (400s about it, an 8 MiB body buffered and an event
+    measured) for a caller without a key; the model routes answered 401 first since round 5."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url, key="adminkey") as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            base = f"{gw.url}/rollouts/r1/attempts/0"
+            for route, body in (("reward", b"{}"), ("reward", b'{"value":"x"}'), ("events", b"{}"),
+                                ("events", b"{not json"), ("events", orjson.dumps({"type": "t", "data": "x" * 70000}))):
+                for headers in ({}, {"Authorization": "Bearer agl-wrong"}):
+                    r = await c.post(f"{base}/{route}", content=body, headers=headers)
+                    assert r.status_code == 401, (route, body[:20], headers, r.status_code, r.text)
+            ok = await c.post(f"{base}/reward", json={"value": 1.0}, headers={"Authorization": "Bearer adminkey"})
+            assert ok.status_code == 200, ok.text

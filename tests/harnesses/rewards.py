@@ -22,5 +22,11 @@ def hostile(inp: dict, output: str):
         raise GeneratorExit
     if kind == "hang":
         time.sleep(3600)
+    if kind == "chdir":  # a judge that runs tests in another directory and does not come back
+        import os
+
+        os.chdir("/")
+        return 0.5
     return {"nan": float("nan"), "inf": float("inf"), "big": 1e39, "str": "1_000", "bool": True, "bytes": b"7",
+            "hugeint": 10**400,
             "ok": 0.5}[kind]

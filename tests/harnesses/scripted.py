@@ -4,7 +4,8 @@ input fields: calls (model calls to make), reward (post it, or omit), exit (exit
 after spawning a grandchild that sleeps too), env_out (write the environment there as JSON), mark (append
 "rollout attempt pid" to that file at start), reward_after_sleep (post the reward after sleeping, not before; status_out: write the answer's status
 code there), kill_self (send this signal to itself after the calls), first_attempt (fields that override
-the others on attempt 0 only).
+the others on attempt 0 only), kill_parent (SIGKILL the process that started it: with --preload, the
+forkserver), on_term (exit with this code on SIGTERM, as harnesses that trap it do).
 """
 
 import json
@@ -16,6 +17,10 @@ import time
 import httpx
 
 task = json.loads(os.environ["AGL_INPUT"])
+if task.get("on_term") is not None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(task["on_term"]))
 if os.environ["AGL_ATTEMPT_ID"] == "0":
     task.update(task.get("first_attempt", {}))
 if task.get("mark"):
@@ -26,6 +31,8 @@ if task.get("env_out"):
         json.dump(dict(os.environ), f)
     with open(task["env_out"] + ".proc", "wb") as f:  # what a subprocess of the run can read of it
         f.write(open("/proc/self/environ", "rb").read())
+if task.get("kill_parent"):
+    os.kill(os.getppid(), 9)
 headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
 for _ in range(task.get("calls", 1)):
     r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=headers, timeout=30,

@@ -259,7 +259,10 @@ def check_reward(value: Any) -> float:
     controller's ``--reward-fn`` both use it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"a reward must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except (OverflowError, TypeError, ValueError) as exc:  # an int beyond float range (10**400), an odd Real
+        raise ValueError(f"a reward must be a finite number within ±{REWARD_LIMIT:g}: {exc}") from None
     if not math.isfinite(value) or abs(value) > REWARD_LIMIT:
         raise ValueError(f"a reward must be a finite number within ±{REWARD_LIMIT:g}, got {value!r}")
     return value

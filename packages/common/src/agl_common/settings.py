@@ -35,7 +35,8 @@ def check_env_names(names: list[str] | tuple[str, ...], what: str = "pass-env") 
 def redacted_url(url: str) -> str:
     """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
     in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter redis-py reads
-    (``?password=pw`` → ``?password=***``). Every place that prints a Redis URL uses this."""
+    (``?password=pw`` → ``?password=***``). Every place that prints a Redis or engine URL uses this (or
+    :func:`redacted_urls` for a comma-separated list)."""
     try:
         parts = urlsplit(url)
         query = parse_qsl(parts.query, keep_blank_values=True)
@@ -48,6 +49,11 @@ def redacted_url(url: str) -> str:
         host = parts.netloc.rpartition("@")[2]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
     return parts.geturl()
+
+
+def redacted_urls(value: str) -> str:
+    """A comma-separated list of URLs (``--upstream``, ``engine_url``) as it may be shown: each :func:`redacted_url`."""
+    return ",".join(redacted_url(u.strip()) for u in value.split(","))
 
 
 def engine_base_urls(value: str) -> list[str]:

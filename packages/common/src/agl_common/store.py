@@ -749,6 +749,11 @@ class Store:
         pipe.sadd(self.key("controllers"), controller_id)
         await pipe.execute()
 
+    async def lease_of(self, controller_id: str) -> str | None:
+        """The controller's lease as last renewed (its Unix time, as text), or None once it expired."""
+        raw = await self.r.get(self.key("controller", controller_id))
+        return None if raw is None else raw.decode()
+
     async def drop_lease(self, controller_id: str) -> None:
         """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""
         await self.r.delete(self.key("controller", controller_id))

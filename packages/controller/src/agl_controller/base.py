@@ -78,7 +78,7 @@ DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controlle
 #: ``exit_code:3``, ``job_failed:BackoffLimitExceeded``).
 FAILURE_REASONS = ("timeout", "exit_code", "signal", "oom_killed", "spawn_error", "template_error", "image_pull",
                    "controller_lost", "evicted", "deadline_exceeded", "job_failed", "job_lost", "no_model_calls",
-                   "no_reward", "reward_error")
+                   "no_reward", "reward_error", "controller_error")
 
 
 def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
@@ -91,6 +91,10 @@ def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
         raise ValueError(f"unknown failure reason(s) {', '.join(map(repr, unknown))}; "
                          f"known: {', '.join(FAILURE_REASONS)}")
     return entries
+
+
+class ControllerIdLive(RuntimeError):
+    """Another controller runs under this controller id (its lease is being renewed)."""
 
 
 class Stale(Exception):
@@ -159,6 +163,25 @@ class Runner:
         self.reward_timeout_s = reward_timeout_s
 
     # ---------------------------------------------------------------- lease and recovery
+    async def take_lease(self) -> None:
+        """Take this controller id's lease and adopt leftover claims (the start of ``run_forever``).
+
+        A lease of this id left by an earlier run (a crash) is waited for until it expires (at most
+        ``lease_ttl_s``); one that is renewed meanwhile belongs to a live controller running under the same id,
+        whose work adopting would kill: raises :class:`ControllerIdLive`.
+        """
+        seen = await self.store.lease_of(self.controller_id)
+        deadline = time.monotonic() + self.lease_ttl_s + 1
+        while seen is not None and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.5, self.lease_ttl_s / 6))
+            now = await self.store.lease_of(self.controller_id)
+            if now is not None and now != seen:
+                raise ControllerIdLive(f"controller id {self.controller_id!r} is live: another controller renews "
+                                       "its lease; give this one another --controller-id (or stop the other)")
+            seen = now
+        await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
+        await self.reconcile_claims(startup=True)
+
     async def lease_loop(self, stop: asyncio.Event) -> None:
         """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``."""
         last_reconcile = time.monotonic()
@@ -245,7 +268,8 @@ class Runner:
 
         ``failure``: ``None`` when the run itself ended well; then no model call → ``no_model_calls``,
         no reward (reported or from ``reward_fn``) → ``no_reward``, a raising ``reward_fn`` →
-        ``reward_error``. Returns the rollout as written, or ``None`` if the attempt was stale.
+        ``reward_error``; anything else failing while the outcome is written → ``controller_error`` (raised if
+        that cannot be written either). Returns the rollout as written, or ``None`` if the attempt was stale.
         """
         try:
             return await self._finish(rollout_id, attempt_id, failure, check_calls)
@@ -253,6 +277,12 @@ class Runner:
             log.info("outcome of rollout %s attempt %s dropped: %s", rollout_id, attempt_id, exc or "stale")
             await self.store.release_claim(self.controller_id, rollout_id)
             return None
+        except Exception:  # noqa: BLE001 - a bug or Redis failing mid-outcome: never leave the attempt running
+            log.exception("outcome of rollout %s attempt %s failed; ending it as controller_error", rollout_id,
+                          attempt_id)
+            if failure == "controller_error":
+                raise
+            return await self.finish_attempt(rollout_id, attempt_id, "controller_error", check_calls=False)
 
     async def hand_back(self, rollout_id: str, attempt_id: str, reason: str) -> Rollout | None:
         """An attempt interrupted by this controller's own shutdown: start a new attempt and queue it (whatever

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import math
+import os
 import shlex
 import signal
+from collections.abc import Iterator
 
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from .base import DEFAULT_RETRY_ON, check_retry_on, load_reward_fn
+from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
+from .local import NEVER_PASSED
+
+#: the longest --timeout / --lease-ttl (s): Redis takes a lease in ms, Kubernetes an int32 deadline
+MAX_SECONDS = 10**7
 
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
@@ -51,7 +58,7 @@ def run(
                                               "(input['agl_job_template']); off: such a rollout fails"),
     namespace: str = typer.Option("default", envvar="AGL_NAMESPACE", help="k8s namespace"),
     jobs_per_minute: int = typer.Option(60, envvar="AGL_JOBS_PER_MINUTE", min=1, help="k8s: Job creation limit"),
-    ttl_after_finished: int = typer.Option(3600, envvar="AGL_TTL_AFTER_FINISHED",
+    ttl_after_finished: int = typer.Option(3600, envvar="AGL_TTL_AFTER_FINISHED", min=0, max=2**31 - 1,
                                            help="k8s: ttlSecondsAfterFinished of each Job"),
     preload: str = typer.Option(None, "--preload", envvar="AGL_PRELOAD",
                                 help="local, Python harnesses: comma-separated modules imported once; each run is "
@@ -78,8 +85,8 @@ def run(
         if reward_fn:
             load_reward_fn(reward_fn)
         for name, value in (("--timeout", timeout), ("--lease-ttl", lease_ttl)):
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+            if not (0 < value <= MAX_SECONDS):  # (NaN fails too) beyond: Redis and Kubernetes refuse the value
+                raise ValueError(f"{name} must be a number of seconds in (0, {MAX_SECONDS}], got {value}")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -114,11 +121,18 @@ def run(
             typer.echo(f"--template {template}: {exc}", err=True)
             raise typer.Exit(2) from None
         if dry_run:
-            raise typer.Exit(_dry_run(template_text, gateway, model, key, namespace, ttl_after_finished, timeout,
-                                      prefix, redis, inputs or [], input_templates))
+            with one_line_errors():
+                code = _dry_run(template_text, gateway, model, key, namespace, ttl_after_finished, timeout,
+                                prefix, redis, inputs or [], input_templates)
+            raise typer.Exit(code)
     else:
         typer.echo(f"unknown mode {mode!r}: use local or k8s", err=True)
         raise typer.Exit(2)
+
+    # the admin key and the Redis URL (with its password) live on in this process's memory only: no child (a
+    # harness, a forkserver started again, a reward function's subprocess) inherits them from the environment
+    for name in NEVER_PASSED:
+        os.environ.pop(name, None)
 
     async def main() -> None:
         store = Store(redis, prefix)
@@ -143,7 +157,21 @@ def run(
         finally:
             await store.close()
 
-    asyncio.run(main())
+    with one_line_errors():
+        asyncio.run(main())
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Redis out of reach (exit 1) or a live controller under this id (exit 2): one line, not a traceback."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        typer.echo(f"error: Redis did not answer: {exc} (is it running? --redis / AGL_REDIS_URL)", err=True)
+        raise typer.Exit(1) from None
+    except ControllerIdLive as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _dry_run(template_text: str, gateway: str, model: str, key: str | None, namespace: str, ttl: int,

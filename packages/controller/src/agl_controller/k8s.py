@@ -371,8 +371,7 @@ class K8sRunner(Runner):
         """
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
-        await self.reconcile_claims(startup=True)
+        await self.take_lease()
         lease_stop = asyncio.Event()
         lease_task = asyncio.create_task(self.lease_loop(lease_stop))
         watch_stop = threading.Event()

@@ -115,6 +115,8 @@ class LocalRunner(Runner):
         key: the gateway admin key, to derive rollout-scoped keys (None: auth off).
         reward_fn: ``module:function`` used when the run reported no reward itself.
         log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log``.
+        cwd: where every run starts (default: this process's working directory when the runner is made; both
+            are resolved then, whatever a reward function does to the working directory later).
         extra_env: variables set for every run (``NAME → value``), under the contract's own.
         pass_env: names (or globs) of the controller's variables a run gets besides :data:`BASE_PASS_ENV`;
             nothing else of the controller's environment reaches a harness.
@@ -140,8 +142,10 @@ class LocalRunner(Runner):
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.key = key
-        self.log_dir = Path(log_dir)
-        self.cwd = cwd
+        # resolved once: a reward function (run in a thread of this process) that changes the process's working
+        # directory must not move where later runs start or log
+        self.log_dir = Path(log_dir).absolute()
+        self.cwd = str(Path(cwd or os.getcwd()).absolute())
         self.extra_env = extra_env or {}
         self.pass_env = (*BASE_PASS_ENV, *pass_env)
         passed_env({}, self.pass_env)  # ValueError for a bad name, before anything runs
@@ -149,6 +153,7 @@ class LocalRunner(Runner):
         self.launcher = Launcher(self.command, preload, env=passed_env(dict(os.environ), self.pass_env))
         self._sem = asyncio.Semaphore(concurrency)
         self._procs: dict[str, object] = {}  # rollout id → a process with ``pid`` (its process group)
+        self._interrupted: set[str] = set()  # rollout ids whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -159,8 +164,7 @@ class LocalRunner(Runner):
         reconciles every ``lease_ttl_s`` s.
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
-        await self.reconcile_claims(startup=True)
+        await self.take_lease()
         lease_stop = asyncio.Event()
         lease_task = asyncio.create_task(self.lease_loop(lease_stop))
         try:
@@ -194,7 +198,8 @@ class LocalRunner(Runner):
         """SIGTERM every running group, SIGKILL after 3 s, and wait until their rollouts are handed back
         (a new attempt, queued for the next controller: an interrupted run is not the agent's failure)."""
         self._stopping = True
-        for proc in list(self._procs.values()):
+        for rid, proc in list(self._procs.items()):
+            self._interrupted.add(rid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         if self._tasks:
@@ -250,6 +255,9 @@ class LocalRunner(Runner):
                 os.killpg(proc.pid, signal.SIGKILL)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
-        if self._stopping and failure is not None and failure.startswith(("signal", "oom_killed")):
-            return await self.hand_back(rollout_id, aid, failure)
+        if rollout_id in self._interrupted:
+            # our own shutdown signalled it: whatever it exited with (a harness that traps SIGTERM and exits 0,
+            # 1 or 143), the run was cut short by us, not by the agent
+            self._interrupted.discard(rollout_id)
+            return await self.hand_back(rollout_id, aid, failure or "interrupted")
         return await self.finish_attempt(rollout_id, aid, failure)

@@ -146,8 +146,9 @@ class Launcher:
                 raise LaunchError(f"preload: no module named {', '.join(missing)}")
             self._ctx = multiprocessing.get_context("forkserver")
             self._ctx.set_forkserver_preload([__name__, *self.preload])
-            if env is not None:
-                _start_forkserver(env)
+        self._env = env
+        if self._ctx is not None and env is not None:
+            _start_forkserver(env)
 
     @property
     def mode(self) -> str:
@@ -169,5 +170,9 @@ class Launcher:
             if not script.is_file():
                 raise FileNotFoundError(f"harness script {script} not found")
         proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path)), daemon=False)
+        if self._env is not None:
+            # a forkserver that died (killed by a harness, the OOM killer) is started again by the next
+            # ``proc.start()`` from this process's whole environment: start it here, with ``env`` only, first
+            _start_forkserver(self._env)
         await asyncio.to_thread(proc.start)  # the first start launches the forkserver and imports ``preload``
         return ForkedProcess(proc)

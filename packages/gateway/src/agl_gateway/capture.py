@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl_common.schemas import MAX_JSON_DEPTH, too_deep
 from pydantic import TypeAdapter, ValidationError
 
 #: Token ids a record may hold: ``[0, 2**31)`` (every vocabulary fits; torch, Parquet and the trainer's int64
@@ -104,7 +105,8 @@ def agent_view(route: str, data: dict[str, Any], request: dict[str, Any]) -> dic
         out.pop(field, None)
     if "model" in request:
         out["model"] = request["model"]
-    wants_logprobs = bool(request.get("logprobs"))
+    # chat asks with a boolean; completions with a count (0: the sampled tokens' own logprobs)
+    wants_logprobs = (request.get("logprobs") is not None) if route == "completions" else bool(request.get("logprobs"))
     choices = []
     for choice in out.get("choices") or []:
         if isinstance(choice, dict):
@@ -137,6 +139,7 @@ class Captured:
     sampled: int | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
+    said: bool = False  # choice 0 holds text or tool calls (then it cannot have come from no token ids)
 
 
 def capture_answer(route: str, data: dict[str, Any]) -> Captured:
@@ -145,13 +148,26 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise MalformedUpstream("'usage' is not an object")
-    return Captured(*extract_tokens(route, data), usage=usage)
+    choices = data.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = first.get("message") if isinstance(first.get("message"), dict) else {}
+    said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
+    return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said)
+
+
+def error_text(err: Any) -> str | None:
+    """What an engine's ``error`` field (beside its choices, or as a stream event) says, or ``None`` if absent."""
+    if err is None:
+        return None
+    msg = err.get("message") if isinstance(err, dict) else err
+    return str(msg if msg is not None else err)[:300] or "error event"
 
 
 def check(cap: Captured) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an error the engine reported
-    within its answer (a stream that failed mid-generation); no prompt token ids; no response token ids
-    while ``usage`` does not say the reply was empty; token ids that do not add up to the engine's own
+    within its answer (a stream that failed mid-generation, an ``error`` beside the choices); no prompt token
+    ids; prompt ids other than ``usage.prompt_tokens`` counts; no response token ids while the reply holds text
+    or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
     ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
     choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
     never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
@@ -164,8 +180,12 @@ def check(cap: Captured) -> str | None:
     counted = isinstance(n, int) and not isinstance(n, bool)
     if n is not None and not counted:
         return f"usage.completion_tokens is not an integer: {n!r:.40}"
-    if not cap.response_token_ids and not (counted and n == 0):
-        return "response token ids missing: the engine returned none and no usage saying the reply is empty"
+    p = (cap.usage or {}).get("prompt_tokens")
+    if isinstance(p, int) and not isinstance(p, bool) and p != len(cap.prompt_token_ids):
+        return f"prompt token ids incomplete: {len(cap.prompt_token_ids)} of usage.prompt_tokens {p}"
+    if not cap.response_token_ids and (cap.said or not (counted and n == 0)):
+        return ("response token ids missing: the engine returned none, and the reply holds text or no usage says "
+                "it is empty")
     sampled = len(cap.response_token_ids) if cap.sampled is None else cap.sampled
     if counted and n != sampled:
         return f"token ids incomplete: {sampled} of {n}"
@@ -186,7 +206,7 @@ def check(cap: Captured) -> str | None:
 class StreamCapture:
     """Accumulates a live chat stream (vLLM chunks with ``return_token_ids`` and ``logprobs`` on) into a
     :class:`Captured` and the complete ``chat.completion`` the agent was sent, and cleans each chunk for
-    the agent (:meth:`feed`). Only choice 0 is captured (live streams have ``n == 1``)."""
+    the agent (:meth:`feed`). Live streams have ``n == 1``: a choice with another index is a malformed stream."""
 
     def __init__(self, request: dict[str, Any], model: str):
         self.request, self.model = request, model
@@ -207,12 +227,13 @@ class StreamCapture:
             raise MalformedUpstream("a stream chunk is not an object")
         cap = self.cap
         if chunk.get("error") is not None:  # vLLM's error event (with choices too): the generation failed
-            err = chunk["error"]
-            msg = err.get("message") if isinstance(err, dict) else err
-            cap.error = str(msg if msg is not None else err)[:300] or "error event"
+            cap.error = error_text(chunk["error"])
             return chunk, 0
         self.first = self.first or chunk
-        cap.prompt_token_ids = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids") or cap.prompt_token_ids
+        prompt = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids")
+        if prompt and cap.prompt_token_ids and prompt != cap.prompt_token_ids:
+            raise MalformedUpstream("two different 'prompt_token_ids' in one stream")
+        cap.prompt_token_ids = prompt or cap.prompt_token_ids
         for name in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
             chunk.pop(name, None)
         choices = chunk.get("choices") or []
@@ -220,44 +241,47 @@ class StreamCapture:
             raise MalformedUpstream("'choices' is not a list of objects")
         n_ids = 0
         for ch in choices:
-            if ch.get("index", 0) == 0:
-                ids = int_list(ch.get("token_ids"), "token_ids")
-                n_ids += len(ids)
-                cap.response_token_ids += ids
-                lp = ch.get("logprobs") or {}
-                if not isinstance(lp, dict):
-                    raise MalformedUpstream("'logprobs' is not an object")
-                content = lp.get("content") or []
-                got = token_logprobs(content, "logprobs.content")
-                if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
-                    self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
-                else:
-                    self.lps += got
-                delta = ch.get("delta") or {}
-                if not isinstance(delta, dict):
-                    raise MalformedUpstream("'delta' is not an object")
-                piece = delta.get("content") or ""
-                if not isinstance(piece, str):
-                    raise MalformedUpstream("'delta.content' is not a string")
-                self.text.append(piece)
-                for tc in delta.get("tool_calls") or []:
-                    if not isinstance(tc, dict):
-                        raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
-                    index, fn = tc.get("index", 0), tc.get("function") or {}
-                    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-                        raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")
-                    if not isinstance(fn, dict) or not all(isinstance(fn.get(k) or "", str)
-                                                           for k in ("name", "arguments")):
-                        raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
-                    acc = self.tool_calls.setdefault(index, {
-                        "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                    acc["id"] = tc.get("id") or acc["id"]
-                    acc["function"]["name"] += fn.get("name") or ""
-                    acc["function"]["arguments"] += fn.get("arguments") or ""
-                finish = ch.get("finish_reason")
-                if finish is not None and not isinstance(finish, str):
-                    raise MalformedUpstream("'finish_reason' is not a string")
-                cap.finish_reason = finish or cap.finish_reason
+            index = ch.get("index", 0)
+            if type(index) is not int or index != 0:  # a live stream has n == 1: another choice is not ours
+                raise MalformedUpstream(f"a stream chunk's choice has index {index!r:.20} (a live stream has one "
+                                        "choice, index 0)")
+            ids = int_list(ch.get("token_ids"), "token_ids")
+            n_ids += len(ids)
+            cap.response_token_ids += ids
+            lp = ch.get("logprobs") or {}
+            if not isinstance(lp, dict):
+                raise MalformedUpstream("'logprobs' is not an object")
+            content = lp.get("content") or []
+            got = token_logprobs(content, "logprobs.content")
+            if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
+                self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
+            else:
+                self.lps += got
+            delta = ch.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise MalformedUpstream("'delta' is not an object")
+            piece = delta.get("content") or ""
+            if not isinstance(piece, str):
+                raise MalformedUpstream("'delta.content' is not a string")
+            self.text.append(piece)
+            for tc in delta.get("tool_calls") or []:
+                if not isinstance(tc, dict):
+                    raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
+                index, fn = tc.get("index", 0), tc.get("function") or {}
+                if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                    raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")
+                if not isinstance(fn, dict) or not all(isinstance(fn.get(k) or "", str)
+                                                       for k in ("name", "arguments")):
+                    raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
+                acc = self.tool_calls.setdefault(index, {
+                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                acc["id"] = tc.get("id") or acc["id"]
+                acc["function"]["name"] += fn.get("name") or ""
+                acc["function"]["arguments"] += fn.get("arguments") or ""
+            finish = ch.get("finish_reason")
+            if finish is not None and not isinstance(finish, str):
+                raise MalformedUpstream("'finish_reason' is not a string")
+            cap.finish_reason = finish or cap.finish_reason
             ch.pop("token_ids", None)
             if not self.wants_logprobs:
                 ch["logprobs"] = None
@@ -265,15 +289,19 @@ class StreamCapture:
             if not isinstance(chunk["usage"], dict):
                 raise MalformedUpstream("'usage' is not an object")
             cap.usage = chunk["usage"]
-            if not self.wants_usage:
-                return None, n_ids
+            if not self.wants_usage:  # the agent did not ask for it: the usage goes, the chunk's choices stay
+                chunk.pop("usage")
+                if not choices:
+                    return None, n_ids
         if "model" in self.request:
             chunk["model"] = self.request["model"]
         return chunk, n_ids
 
-    def result(self) -> tuple[Captured, dict[str, Any]]:
-        """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to."""
+    def result(self) -> tuple[Captured, dict[str, Any] | None]:
+        """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to (``None``, with
+        ``error`` set, if it nests deeper than :data:`MAX_JSON_DEPTH`)."""
         cap = self.cap
+        cap.said = bool("".join(self.text) or self.tool_calls)
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
@@ -284,4 +312,7 @@ class StreamCapture:
                   "model": self.request.get("model", self.model),
                   "choices": [{"index": 0, "message": message, "finish_reason": cap.finish_reason}],
                   "usage": cap.usage}
+        if too_deep(answer):  # the engine's own values (usage, ids) are in it: never a record no reader can read
+            cap.error = cap.error or f"the stream's answer nests JSON deeper than {MAX_JSON_DEPTH} levels"
+            return cap, None
         return cap, answer

@@ -19,16 +19,25 @@ class GateClosed(Exception):
     """The gateway is shutting down: held and new calls are turned away (503, retry elsewhere)."""
 
 
+class TooManyHeld(Exception):
+    """One rollout attempt already has ``max_held_per_attempt`` calls held by the pause."""
+
+
 class PauseGate:
     """Admission control for model calls.
 
     Args:
         max_hold_s: longest a call may wait for resume before :class:`HeldTooLong` (seconds).
         on_change: called (synchronously) whenever paused / in-flight / drained state changes.
+        max_held_per_attempt: most calls of one rollout attempt held at once (each holds its request body in
+            memory: one harness must not park any number of them); beyond, :class:`TooManyHeld`.
     """
 
-    def __init__(self, max_hold_s: float, on_change: Callable[[], None] | None = None):
+    def __init__(self, max_hold_s: float, on_change: Callable[[], None] | None = None,
+                 max_held_per_attempt: int = 64):
         self.max_hold_s = max_hold_s
+        self.max_held_per_attempt = max_held_per_attempt
+        self._held_by: dict[str, int] = {}
         self._open = asyncio.Event()
         self._open.set()
         self.in_flight = 0
@@ -68,15 +77,21 @@ class PauseGate:
         self.closed = True
         self._open.set()  # wake the held calls; they see ``closed``
 
-    async def enter(self) -> None:
-        """Wait while paused (re-checking after every wake-up), then count the call as in flight.
+    async def enter(self, who: str = "") -> bool:
+        """Wait while paused (re-checking after every wake-up), then count the call as in flight; ``who``: the
+        calling attempt (its held calls are counted). Returns whether the call was held.
 
         Raises :class:`HeldTooLong` after ``max_hold_s`` seconds of waiting, :class:`GateClosed` once
-        :meth:`close` was called. Pair with :meth:`leave`.
+        :meth:`close` was called, :class:`TooManyHeld` if ``who`` has ``max_held_per_attempt`` calls held
+        already. Pair with :meth:`leave`.
         """
         if self.closed:
             raise GateClosed()
-        if self.paused:
+        held = self.paused
+        if held:
+            if self._held_by.get(who, 0) >= self.max_held_per_attempt:
+                raise TooManyHeld()
+            self._held_by[who] = self._held_by.get(who, 0) + 1
             self.held += 1
             deadline = time.monotonic() + self.max_hold_s
             try:
@@ -90,9 +105,13 @@ class PauseGate:
                         raise HeldTooLong() from None
             finally:
                 self.held -= 1
+                self._held_by[who] -= 1
+                if not self._held_by[who]:
+                    del self._held_by[who]
             if self.closed:
                 raise GateClosed()
         self.in_flight += 1
+        return held
 
     def leave(self) -> None:
         """The call is over (answered, failed or its stream closed); acknowledge a pending drain."""

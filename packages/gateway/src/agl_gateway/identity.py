@@ -21,6 +21,7 @@ from agl_common.store import RolloutNotFound
 from fastapi import Request
 from redis.exceptions import RedisError
 
+from .body import read_json
 from .errors import ApiError, bad_request, store_down
 from .state import GatewayState
 
@@ -146,3 +147,15 @@ def check_callable(ident: Identity) -> None:
     if ident.rollout.status in TERMINAL:
         raise ApiError(409, f"rollout {ident.rollout_id!r} is {ident.rollout.status.value}", "conflict_error",
                        "rollout_finished")
+
+
+async def caller_and_body(request: Request, st: GatewayState, create: bool = True) -> tuple[Identity, dict]:
+    """The caller's :class:`Identity` and its JSON body, in the one order every agent route uses: with a key,
+    who is asking before what they sent (a caller without the key gets 401, no word on its body, and no body is
+    buffered for it); open (``--open``), the body first, so that a rollout is created only for a well-formed
+    call. Raises ``ApiError`` as :func:`resolve_identity` and :func:`agl_gateway.body.read_json` do."""
+    if st.settings.key:
+        ident = await resolve_identity(request, st, create)
+        return ident, await read_json(request, st.settings.max_body_bytes)
+    body = await read_json(request, st.settings.max_body_bytes)
+    return await resolve_identity(request, st, create), body

@@ -21,21 +21,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from agl_common.schemas import MAX_JSON_DEPTH, Policy, UnknownRole, route_call, too_deep
+from agl_common.store import RolloutNotFound
 from fastapi import Request
+from redis.exceptions import RedisError
 from fastapi.responses import Response, StreamingResponse
 
 from . import translate
-from .body import read_json
 from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer
-from .errors import ApiError, bad_request
-from .gate import GateClosed, HeldTooLong
-from .identity import Identity, check_callable, header, resolve_identity
+from .errors import ApiError, bad_request, store_down
+from .gate import GateClosed, HeldTooLong, TooManyHeld
+from .identity import Identity, caller_and_body, check_callable, header
 from .recording import fill, new_record, observe, write, write_failure
 from .state import GatewayState, state_of
 from .streaming import DONE, LiveRelay, RelayResponse, read_stream
@@ -68,11 +69,16 @@ ABORTED = {"abort"}
 MAX_ABORT_RETRIES = 3
 
 
-async def enter_gate(st: GatewayState) -> None:
-    """Take a slot in the pause gate (pair with ``st.gate.leave()``); ``ApiError`` 503 if held too long
-    or the gateway is shutting down."""
+async def enter_gate(st: GatewayState, who: str = "") -> bool:
+    """Take a slot in the pause gate (pair with ``st.gate.leave()``) for attempt ``who``; returns whether the call
+    was held. ``ApiError`` 503 if held too long, if ``who`` has too many calls held, or if the gateway is shutting
+    down."""
     try:
-        await st.gate.enter()
+        return await st.gate.enter(who)
+    except TooManyHeld:
+        raise ApiError(503, f"gateway paused for a weight update; this attempt has "
+                       f"{st.gate.max_held_per_attempt} calls held already", "server_error", "paused",
+                       {"Retry-After": "5"}) from None
     except HeldTooLong:
         raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
                        "server_error", "paused", {"Retry-After": "5"}) from None
@@ -112,6 +118,9 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise bad_request(f"'{flag}' must be true or false, got {body[flag]!r:.40}")
+    if spec.route == "completions" and body.get("logprobs") is not None and not (
+            type(body["logprobs"]) is int and body["logprobs"] >= 0):
+        raise bad_request(f"'logprobs' must be a non-negative integer, got {body['logprobs']!r:.40}")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_request(f"'stream_options' must be an object, got {body['stream_options']!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
@@ -127,6 +136,8 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     for name in ("stream", "stream_options"):
         upstream.pop(name, None)
     upstream.update(spec.force)
+    if spec.route == "completions" and body.get("logprobs") is not None:
+        upstream["logprobs"] = body["logprobs"]  # the sampled token's logprob comes with any top-k the agent asks
     return upstream
 
 
@@ -134,11 +145,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     """The full path of one call on a model route; returns the agent's answer (JSON or SSE)."""
     st = state_of(request)
     t_call = time.perf_counter()
-    # with a key, who is asking before what they sent (a caller without the key gets 401, no word on its body);
-    # open (--open), the body first: a rollout is created only for a call that is well-formed
-    ident = await resolve_identity(request, st) if st.settings.key else None
-    body = await read_json(request, st.settings.max_body_bytes)
-    ident = ident or await resolve_identity(request, st)
+    ident, body = await caller_and_body(request, st)
     check_callable(ident)
     if spec.to_upstream is not None:
         await translate.ready()  # LiteLLM is imported off the event loop
@@ -149,7 +156,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     role = header(request, "x-agl-role")
     if st.policy is not None:
         route(st.policy, body, role)  # a call of no known role is refused now, not after a pause
-    call = Call(st, ident, spec, body, upstream, t_call, role)
+    call = Call(st, ident, spec, body, upstream, t_call, role, request.is_disconnected)
     if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
         relay = LiveRelay()
         task = asyncio.create_task(call.run_live(relay))
@@ -171,9 +178,11 @@ class Call:
     """One call going through the pipeline (see the module docstring)."""
 
     def __init__(self, st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
-                 upstream: dict[str, Any], t_call: float, role: str | None = None):
+                 upstream: dict[str, Any], t_call: float, role: str | None = None,
+                 disconnected: Callable[[], Awaitable[bool]] | None = None):
         self.st, self.ident, self.spec, self.body, self.upstream, self.t_call = st, ident, spec, body, upstream, t_call
         self.role = role  # the X-AGL-Role header, if sent
+        self.disconnected = disconnected  # whether the agent went away (Starlette's request.is_disconnected)
 
     async def run_live(self, relay: LiveRelay) -> None:
         """:meth:`run` as the task of a live stream: every outcome ends the relay."""
@@ -196,9 +205,11 @@ class Call:
         waited = 0.0  # seconds held by a pause or spent on aborted tries: not added by the gateway
         for _ in range(MAX_ABORT_RETRIES):
             t_gate = time.perf_counter()
-            await enter_gate(st)
+            held = await enter_gate(st, f"{self.ident.rollout_id}/{self.ident.attempt_id}")
             waited += time.perf_counter() - t_gate
             try:
+                if held:  # minutes may have passed: the rollout may have ended, the agent may have left
+                    await self._still_wanted(relay)
                 policy = await current_policy(st)
                 role, served = route(policy, self.body, self.role)
                 rec = new_record(self.ident.rollout_id, self.ident.attempt_id, self.spec.route, self.body, policy,
@@ -243,6 +254,24 @@ class Call:
             return out
         raise ApiError(503, f"upstream aborted the request {MAX_ABORT_RETRIES} times", "server_error",
                        "upstream_aborted", {"Retry-After": "5"})
+
+    async def _still_wanted(self, relay: LiveRelay | None) -> None:
+        """After a pause held the call: ``ApiError`` 409/404 if its rollout finished, was retried or is gone
+        meanwhile (as :func:`agl_gateway.identity.check_callable` would have answered), 400
+        ``client_disconnected`` if the agent went away while it was held. Nothing is forwarded then."""
+        rid, aid = self.ident.rollout_id, self.ident.attempt_id
+        if (relay is not None and relay.gone) or (self.disconnected is not None and await self.disconnected()):
+            raise bad_request("the agent went away while its call was held", "client_disconnected")
+        try:
+            rollout = await self.st.store.get_rollout(rid)
+        except RolloutNotFound:
+            raise ApiError(404, f"unknown rollout {rid!r}", "not_found_error", "rollout_not_found") from None
+        except RedisError:
+            raise store_down() from None
+        if rollout.attempt_id != aid:
+            raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (now {rollout.attempt_id})",
+                           "conflict_error", "stale_attempt")
+        check_callable(Identity(rid, aid, rollout))
 
     def _complete(self, data: dict[str, Any], sse: bool) -> tuple[Captured, dict[str, Any] | None, Any]:
         """Capture of a complete answer, the agent's answer and its encoding (encoded now, so that nothing

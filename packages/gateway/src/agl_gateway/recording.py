@@ -75,7 +75,12 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     try:
         payload = orjson.dumps(rec)
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
-        payload = CallRecord.model_validate(rec).model_dump_json().encode()
+        try:
+            payload = CallRecord.model_validate(rec).model_dump_json().encode()
+        except Exception as exc:  # noqa: BLE001 - nests too deep for both: keep the call, not its bodies
+            rec.update(request={}, response=None, status="error",
+                       error=f"record could not be encoded ({type(exc).__name__}); request and answer dropped")
+            payload = orjson.dumps(rec)
     try:
         seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload,
                                               st.settings.max_calls_per_attempt,

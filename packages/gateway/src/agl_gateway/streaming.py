@@ -105,6 +105,8 @@ class RelayResponse(StreamingResponse):
 #: Longest line of an engine's stream, in bytes: vLLM sends every prompt token id in the first event
 #: (~6 bytes an id): aiohttp's default line limit (twice its read buffer) failed long prompts' streams unrecorded.
 STREAM_LINE_MAX = 64 * 1024 * 1024
+#: Most bytes of one engine stream read (every event's JSON); beyond it the call is a 502.
+STREAM_BYTES_MAX = 256 * 1024 * 1024
 
 
 async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dict[str, Any],
@@ -118,9 +120,13 @@ async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dic
     held: list[bytes] = []  # before the first token
     tail: list[bytes] | None = None  # from the finish reason on
     done = False
+    read = 0
     async with engine_call(st, rollout_id, path, orjson.dumps(payload)) as resp:
         try:
             while raw := await resp.content.readline(max_line_length=STREAM_LINE_MAX):
+                read += len(raw)
+                if read > STREAM_BYTES_MAX:
+                    raise ValueError(f"the stream exceeds {STREAM_BYTES_MAX} bytes")
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 if not line.startswith("data:"):
                     continue

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 from agl_common.schemas import Policy
+from agl_common.settings import redacted_url
 
 from .engines import NoEngine
 from .errors import ApiError, engine_error
@@ -26,6 +27,21 @@ log = logging.getLogger("agl.gateway")
 
 JSON_HEADERS = {"content-type": "application/json"}
 DISCOVERY_TIMEOUT_S = 5.0
+#: Largest complete engine answer read, in bytes (after decompression: an engine's gzip is inflated): beyond it the
+#: call is a 502 and nothing of the answer is kept. vLLM's answer for 32k tokens with logprobs is a few MB.
+ANSWER_BYTES_MAX = 64 * 1024 * 1024
+#: Most of an engine's error body read (its message is cut to 1000 characters anyway).
+ERROR_BYTES_MAX = 64 * 1024
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The response body, or ``None`` once it passes ``limit`` bytes (the rest is not read)."""
+    body = bytearray()
+    async for piece in resp.content.iter_chunked(1 << 16):
+        body += piece
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 def _engine_message(status: int, content: bytes) -> str:
@@ -61,13 +77,16 @@ async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: byt
             tried.add(base)
             url = base + path if under_v1 else base.removesuffix("/v1") + path
             try:
-                resp = await st.http.post(url, data=payload, headers=JSON_HEADERS)
+                # never redirected: a 3xx is the engine's error (followed, it re-sent the agent's conversation to
+                # wherever it pointed, and a dead target there marked a working engine down)
+                resp = await st.http.post(url, data=payload, headers=JSON_HEADERS, allow_redirects=False)
                 break
             except aiohttp.ClientConnectorError:  # nothing was sent: the next engine may take it
                 st.engines.mark_down(base)
         try:
             if resp.status >= 300:
-                raise engine_error(resp.status, _engine_message(resp.status, await resp.read()))
+                raise engine_error(resp.status, _engine_message(
+                    resp.status, (await resp.content.read(ERROR_BYTES_MAX)) or b""))
             yield resp
         finally:
             resp.release()
@@ -81,9 +100,13 @@ async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: byt
 async def call_json(st: GatewayState, rollout_id: str, path: str, body: dict[str, Any],
                     under_v1: bool = True) -> dict[str, Any]:
     """:func:`engine_call` for a complete JSON answer; returns it parsed. Raises ``ApiError`` as
-    :func:`engine_call` does, and 502 ``upstream_error`` for a 2xx answer that is not a JSON object."""
+    :func:`engine_call` does, and 502 ``upstream_error`` for a 2xx answer that is not a JSON object or is over
+    :data:`ANSWER_BYTES_MAX` bytes."""
     async with engine_call(st, rollout_id, path, orjson.dumps(body), under_v1) as resp:
-        status, content = resp.status, await resp.read()
+        status, content = resp.status, await read_bounded(resp, ANSWER_BYTES_MAX)
+    if content is None:
+        raise ApiError(502, f"upstream engine's answer exceeds {ANSWER_BYTES_MAX} bytes", "server_error",
+                       "upstream_error")
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
@@ -97,18 +120,24 @@ async def call_json(st: GatewayState, rollout_id: str, path: str, body: dict[str
 async def served_model(st: GatewayState, url: str, timeout_s: float) -> str:
     """The first model id of ``GET {url}/models`` (``url`` ends in ``/v1``). Raises ``aiohttp.ClientError``,
     ``TimeoutError``, ``ValueError`` (no model listed)."""
-    async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        data = await resp.json(content_type=None) if resp.status == 200 else None
+    async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                           allow_redirects=False) as resp:
+        raw = await read_bounded(resp, ANSWER_BYTES_MAX) if resp.status == 200 else None
+    try:
+        data = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        data = None
     try:
         name = data["data"][0]["id"]
     except (TypeError, KeyError, IndexError):
-        raise ValueError(f"GET {url}/models listed no model") from None
+        raise ValueError(f"GET {redacted_url(url)}/models listed no model") from None
     if not isinstance(name, str):
-        raise ValueError(f"GET {url}/models listed a model id that is not a string")
+        raise ValueError(f"GET {redacted_url(url)}/models listed a model id that is not a string")
     try:  # a name no policy can have ("" was: every call and /v1/models a 500, the discovery task dead)
         Policy(model=name)
     except ValueError:
-        raise ValueError(f"GET {url}/models listed the model id {name[:80]!r}, which is no served name") from None
+        raise ValueError(f"GET {redacted_url(url)}/models listed the model id {name[:80]!r}, which is no "
+                         "served name") from None
     return name
 
 
@@ -126,7 +155,7 @@ async def current_policy(st: GatewayState) -> Policy:
                 try:
                     name = await served_model(st, url, DISCOVERY_TIMEOUT_S)
                 except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                    log.warning("model discovery at %s failed: %r", url, exc)
+                    log.warning("model discovery at %s failed: %r", redacted_url(url), exc)
                     continue
                 if st.policy is None:  # (a resume may have set one meanwhile)
                     st.policy = Policy(model=name)
@@ -140,7 +169,8 @@ async def current_policy(st: GatewayState) -> Policy:
 async def probe(st: GatewayState, url: str, timeout_s: float = 2.0) -> bool:
     """True if ``GET {url}/models`` answers 200 (readiness). Reports only: the engine is not marked down."""
     try:
-        async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                               allow_redirects=False) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from agl_common.schemas import Policy, check_role_name
 from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_prefix, engine_base_urls,
-                                 redacted_url)
+                                 redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -194,9 +194,12 @@ class TrainConfig(BaseModel):
 
     def shown(self) -> dict:
         """The config as JSON-able data for what is written or shown (a run's ``config.json``, trackers, the
-        dashboard): the Redis URL's password (in its user part or a ``?password=`` query) replaced by ``***``."""
+        dashboard): the password of the Redis URL (in its user part or a ``?password=`` query) and of the engine
+        URLs replaced by ``***``."""
         data = self.model_dump(mode="json")
         data["redis_url"] = redacted_url(self.redis_url)
+        if self.engine_url:
+            data["engine_url"] = redacted_urls(self.engine_url)
         return data
 
     def base_policy(self) -> Policy:

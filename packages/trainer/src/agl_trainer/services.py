@@ -203,10 +203,11 @@ class Services:
                       extra: list[str] | None = None, key: str | None = None) -> str:
         """Start ``agl-gateway serve``; ``key``: its admin key (``AGL_KEY`` in its environment; None: inherited)."""
         port = port or free_port()
-        argv = [self.python, "-m", "agl_gateway", "serve", "--upstream", upstream,
+        argv = [self.python, "-m", "agl_gateway", "serve",
                 "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
-        # the Redis URL (maybe with its password) travels in the environment: a command line is public (ps)
-        self.start("gateway", argv, {"AGL_REDIS_URL": redis_url, **({"AGL_KEY": key} if key else {})})
+        # the Redis and engine URLs (maybe with passwords) travel in the environment: a command line is public (ps)
+        self.start("gateway", argv, {"AGL_REDIS_URL": redis_url, "AGL_UPSTREAM": upstream,
+                                     **({"AGL_KEY": key} if key else {})})
         url = f"http://127.0.0.1:{port}"
         self.wait_http("gateway", url + "/healthz", 60)
         return url

@@ -9,10 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from .. import translate
-from ..body import read_json
 from ..errors import ApiError
-from ..identity import check_callable, resolve_identity
-from ..pipeline import RouteSpec, model_call
+from ..identity import caller_and_body, check_callable, header
+from ..pipeline import RouteSpec, model_call, route
 from ..state import state_of
 from ..translate import anthropic_sse, anthropic_to_chat, chat_to_anthropic
 from ..upstream import call_json, current_policy
@@ -32,14 +31,16 @@ async def messages(request: Request):
 async def count_tokens(request: Request):
     """``{"input_tokens": N}`` from the engine's own tokenizer and chat template (vLLM ``/tokenize``)."""
     st = state_of(request)
-    # who is asking first (a caller without the key learns nothing of its body; counting never creates a rollout,
-    # --open), then a model call's rule: a finished rollout gets 409
-    ident = await resolve_identity(request, st, create=False)
+    # a model call's rules (the key before the body, a finished rollout gets 409, a model name of no known role
+    # gets 400), but counting never creates a rollout (--open)
+    ident, body = await caller_and_body(request, st, create=False)
     check_callable(ident)
-    body = await read_json(request, st.settings.max_body_bytes)
     await translate.ready()
     chat = anthropic_to_chat({"max_tokens": 1, **body})
-    payload = {"model": (await current_policy(st)).model, "messages": chat["messages"],
+    policy = await current_policy(st)
+    if policy.roles:
+        route(policy, body, header(request, "x-agl-role"))
+    payload = {"model": policy.model, "messages": chat["messages"],
                **({"tools": chat["tools"]} if chat.get("tools") else {})}
     count = (await call_json(st, ident.rollout_id, "/tokenize", payload, under_v1=False)).get("count")
     if type(count) is not int or count < 0:

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from agl_common.schemas import EVENT_BYTES_MAX, EVENTS_PER_ROLLOUT_MAX, TERMINAL, EventIn, RewardIn, Rollout
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from ..body import read_json
 from ..errors import ApiError, bad_request, store_down
-from ..identity import check_callable, resolve_identity
+from ..identity import Identity, caller_and_body, check_callable
 from ..state import state_of
 
 router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
 
 
-async def _parse(request: Request, model):
-    body = await read_json(request, state_of(request).settings.max_body_bytes)
+async def _parse(request: Request, model) -> tuple[Identity, Any]:
+    """The caller and its body as ``model`` (:func:`agl_gateway.identity.caller_and_body`: the key first)."""
+    ident, body = await caller_and_body(request, state_of(request))
     try:
-        return model.model_validate(body)
+        return ident, model.model_validate(body)
     except ValidationError as exc:
         raise bad_request(f"invalid body: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
 
@@ -29,8 +31,7 @@ async def reward(request: Request):
     """Set the attempt's reward (last write wins while it runs). 404 unknown rollout, 409 stale attempt or a
     rollout that already succeeded or failed (its outcome is final: the trainer may have read it)."""
     st = state_of(request)
-    body: RewardIn = await _parse(request, RewardIn)  # a JSON number within ±REWARD_LIMIT (check_reward)
-    ident = await resolve_identity(request, st)
+    ident, body = await _parse(request, RewardIn)  # a JSON number within ±REWARD_LIMIT (check_reward)
 
     def change(r: Rollout) -> None:
         if r.attempt_id != ident.attempt_id:  # a retry started between the check and the write
@@ -53,11 +54,10 @@ async def events(request: Request):
     JSON (or a ``type`` over ``EVENT_TYPE_MAX`` characters), 409 once the rollout succeeded or failed (as for
     rewards and model calls), 429 once it holds ``EVENTS_PER_ROLLOUT_MAX`` events: one harness cannot fill Redis."""
     st = state_of(request)
-    body: EventIn = await _parse(request, EventIn)
+    ident, body = await _parse(request, EventIn)
     size = len(orjson.dumps(body.data))
     if size > EVENT_BYTES_MAX:
         raise bad_request(f"event data is {size} bytes of JSON, more than {EVENT_BYTES_MAX}", "event_too_large")
-    ident = await resolve_identity(request, st)
     check_callable(ident)
     try:
         entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data,
