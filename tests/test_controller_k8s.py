@@ -32,7 +32,7 @@ spec:
           image: busybox
       containers:
         - name: agent
-          image: "{{ input.image | default('agent:latest') }}"
+          image: {{ input.image | default('agent:latest') }}
           args: ["--task", {{ input.task | tojson }}]
           env:
             - {name: OPENAI_BASE_URL, value: "http://wrong"}

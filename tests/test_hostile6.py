@@ -225,3 +225,94 @@ async def test_reward_and_event_routes_check_the_key_before_reading_a_body(store
                     assert r.status_code == 401, (route, body[:20], headers, r.status_code, r.text)
             ok = await c.post(f"{base}/reward", json={"value": 1.0}, headers={"Authorization": "Bearer adminkey"})
             assert ok.status_code == 200, ok.text
+
+
+def test_a_rollout_input_cannot_change_the_structure_of_the_operators_job_template():
+    """Round 6: the docs' own template (``cpu: {{ input.get("cpus", 1) }}``) let an input close the mapping and
+    add a privileged container, host namespaces and the node's / mounted; ``--dry-run`` called it valid."""
+    from agl_common.schemas import Rollout
+    from agl_controller.k8s import JobRenderer
+
+    template = ('apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n'
+                '        - name: harness\n          image: {{ "registry.example.com/" ~ input.get("image", "h:1") }}\n'
+                '          resources: {limits: {cpu: {{ input.get("cpus", 1) }}, memory: 2Gi}}\n')
+    renderer = JobRenderer(template, "http://gw:8080", "m")
+    evil = ("1}}\n      hostPID: true\n      containers:\n        - name: harness\n          image: evil/miner:1\n"
+            "          securityContext: {privileged: true}\n          resources: {limits: {cpu: 1")
+    for inp in ({"cpus": evil}, {"image": "x\n      hostNetwork: true"}):
+        try:
+            m = renderer.render(Rollout(rollout_id="r", input=inp))
+        except ValueError:
+            continue  # refused (an invalid Job) is fine too; what must never happen is the structure changing
+        pod = m["spec"]["template"]["spec"]
+        assert set(pod) <= {"containers", "restartPolicy", "automountServiceAccountToken"}, pod
+        assert set(pod["containers"][0]) == {"name", "image", "resources", "env"}, pod["containers"][0]
+    ok = renderer.render(Rollout(rollout_id="r", input={"cpus": 2, "image": "h:2"}))
+    container = ok["spec"]["template"]["spec"]["containers"][0]
+    assert str(container["resources"]["limits"]["cpu"]) == "2" and container["image"] == "registry.example.com/h:2"
+
+
+def _cli(*args, env=None, timeout=120):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_train_and_eval_refuse_what_the_controller_cannot_import_or_where_nothing_can_be_written(tmp_path):
+    """Round 6: a ``reward_fn`` (or ``preload``) module that does not import failed only once the controller
+    started, after vLLM; an ``out_dir`` that cannot be created was a traceback. Each is one line, exit 2, at once."""
+    import time
+
+    import yaml
+
+    for fields in ({"reward_fn": "no_such_module_r6:score"}, {"preload": ["no_such_module_r6"]},
+                   {"out_dir": "/proc/r6-nowhere"}, {"out_dir": str(tmp_path / "file")}):
+        (tmp_path / "file").write_text("x")
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({**fields, "redis_url": "redis://127.0.0.1:9/0"}))
+        for command in (("agl_trainer", "train", str(config)), ("agl_trainer", "eval", str(config))):
+            t0 = time.monotonic()
+            out = _cli(*command)
+            assert out.returncode == 2 and "Traceback" not in out.stderr, (fields, command, out.stderr[-500:])
+            assert time.monotonic() - t0 < 60
+            assert next(iter(fields)) in out.stderr, out.stderr[-300:]
+
+
+def test_cli_refusals_are_one_line_and_change_nothing(redis_url, prefix, tmp_path):
+    """Round 6: ``gateway resume --pause UNKNOWN`` said "resumed" (and ended nothing); ``--version`` without
+    ``--model`` dropped the version and ended every pause; ``--model " x "`` or with terminal escapes was
+    published; ``rollouts show --tokenizer`` on a broken tokenizer and ``agl-controller run`` with Redis out of
+    reach or an out-of-range option were tracebacks; ``rollouts create --n 3`` queued part of a group unprinted."""
+    base = ("--redis", redis_url, "--prefix", prefix)
+    for args in (("--pause", "nobody-holds-this"), ("--version", "5"), ("--model", " x ", "--version", "1"),
+                 ("--model", "x\x1b]8;;http://evil\x07y", "--version", "1")):
+        out = _cli("agl_trainer", "gateway", "resume", *args, *base)
+        assert out.returncode == 2 and "resumed" not in out.stdout and "Traceback" not in out.stderr, (args, out)
+    bad_tok = tmp_path / "tok"
+    bad_tok.mkdir()
+    (bad_tok / "tokenizer.json").write_text("{not json")
+    out = _cli("agl_trainer", "rollouts", "show", "r1", "--tokenizer", str(bad_tok), *base)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-500:]
+    for args in (("--redis", "redis://127.0.0.1:9/0", "--command", "python x.py"),
+                 ("--redis", redis_url, "--command", "python x.py", "--lease-ttl", "1e300"),
+                 ("--redis", redis_url, "--mode", "k8s", "--template", str(bad_tok / "tokenizer.json"), "--dry-run",
+                  "--ttl-after-finished", "-5")):
+        out = _cli("agl_controller", "run", "--gateway", "http://127.0.0.1:9", "--prefix", prefix, *args)
+        assert out.returncode in (1, 2) and "Traceback" not in out.stderr, (args, out.stderr[-600:])
+    assert _cli("agl_trainer", "rollouts", "create", "--input", "{}", "--id", "pc-1", *base).returncode == 0
+    out = _cli("agl_trainer", "rollouts", "create", "--input", "{}", "--id", "pc", "--n", "3", *base)
+    assert out.returncode == 1 and out.stdout.split() == ["pc-0"] and "pc-1" in out.stderr, out
+
+
+def test_a_runs_config_json_with_its_hidden_redis_password_asks_for_the_url(tmp_path, redis_url):
+    """Round 6: resuming from a run's config.json (its Redis password shown as ***) tried ``:***@`` as the password,
+    took the refusal for "no Redis", started a redis-server of its own on that port and failed 20 s later."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"redis_url": "redis://:***@127.0.0.1:6379/0"}))
+    out = _cli("agl_trainer", "train", str(config))
+    assert out.returncode == 2 and "--redis" in out.stderr and "Traceback" not in out.stderr, out.stderr[-400:]

@@ -365,6 +365,14 @@ class UnknownRole(ValueError):
     """A call names no role of the policy, or an unknown one, or two that disagree (the gateway answers 400)."""
 
 
+def check_served_name(name: str) -> str:
+    """``name`` if it can be a served model name (what every replica routes calls to, shown on every status
+    line): non-empty, printable (no terminal escapes), no spaces around; else ``ValueError``."""
+    if not name or not name.isprintable() or name != name.strip():
+        raise ValueError(f"served model name {name[:80]!r}: non-empty, printable characters, no spaces around")
+    return name
+
+
 class Policy(BaseModel):
     """The policy the gateway routes new calls to: a served model name and its version number.
 
@@ -381,10 +389,12 @@ class Policy(BaseModel):
 
     @model_validator(mode="after")
     def _roles_are_consistent(self) -> "Policy":
+        check_served_name(self.model)
         for role, served in self.roles.items():
             check_role_name(role)
             if not served:
                 raise ValueError(f"role {role!r} has an empty served model name")
+            check_served_name(served)
         if "" in self.role_models:
             raise ValueError("role_models holds an empty model name")
         unknown = sorted({r for r in self.role_models.values() if r not in self.roles})

@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jinja2
+import markupsafe
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import yaml
 from agl_common.schemas import Rollout, RolloutStatus
@@ -148,6 +149,15 @@ def _unknown_keys(given: Any, parsed: Any, path: str = "") -> list[str]:
     return []
 
 
+def _as_yaml_scalar(value: Any) -> Any:
+    """Jinja ``finalize``: a value as JSON (which YAML reads as one flow value, whatever it holds: ``"2}}, x: 1"``
+    stays a string); what ``tojson`` already wrote (``Markup``) is kept. Raises ``TypeError`` for a value JSON
+    cannot hold (the rollout's template_error)."""
+    if isinstance(value, markupsafe.Markup):
+        return value
+    return json.dumps(value)
+
+
 class JobRenderer:
     """Renders and completes the Job manifest of one rollout attempt (see the module docstring).
 
@@ -162,14 +172,17 @@ class JobRenderer:
             rollout's input, a task file's row included, would choose the pod that runs it and its security).
 
     Templates render in Jinja2's immutable sandbox: a template (the operator's or a rollout's) reaches no Python
-    object beyond the values it is given (``{{ cycler.__init__.__globals__ }}`` is a ``SecurityError``).
+    object beyond the values it is given (``{{ cycler.__init__.__globals__ }}`` is a ``SecurityError``). Every
+    ``{{ expression }}`` is written as JSON (:func:`_as_yaml_scalar`: a YAML flow value; ``| tojson`` output as it
+    is), so no value (a rollout's input above all) can change the manifest's structure: write
+    ``cpu: {{ input.cpus }}``, ``image: {{ "repo/" ~ input.image }}``, never a ``{{ }}`` inside quotes.
     """
 
     def __init__(self, template: str, gateway_url: str, model: str, key: str | None = None,
                  namespace: str = "default", ttl_after_finished_s: int = 3600, timeout_s: float | None = None,
                  prefix: str = "agl:", input_templates: bool = False):
         self.env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False,
-                                                 keep_trailing_newline=True)
+                                                 keep_trailing_newline=True, finalize=_as_yaml_scalar)
         self.input_templates = input_templates
         self.template = template
         self.gateway_url, self.model, self.key = gateway_url, model, key

@@ -79,11 +79,18 @@ def _with_loggers(cfg, loggers: list[str] | None):
 
 
 def _check_task(cfg, train: bool = True) -> None:
-    """The config's task file and functions are usable (one line and exit 2 if not), before anything starts."""
-    from .tasks import TaskError, check_task
+    """The config's task file and functions are usable, and (cpu backend) the controller's imports found (one
+    line and exit 2 if not), before anything starts."""
+    from .tasks import TaskError, check_controller_imports, check_task
 
     try:
         check_task(cfg, train)
+        if cfg.backend != "verl":
+            check_controller_imports(cfg)
+        try:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TaskError(f"out_dir {cfg.out_dir}: {exc.strerror or exc}") from None
     except TaskError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -129,13 +136,18 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
 def _load_config(path: Path, overrides: dict | None = None):
     """The :class:`TrainConfig` in ``path`` (YAML, or a run's ``config.json``) with ``overrides`` applied;
     a file that does not validate: its error and exit 2."""
+    from agl_common.settings import redacted_url
     from pydantic import ValidationError
 
     from .config import TrainConfig
 
     try:
         cfg = TrainConfig.from_yaml(path)
-        return TrainConfig.model_validate({**cfg.model_dump(), **overrides}) if overrides else cfg
+        cfg = TrainConfig.model_validate({**cfg.model_dump(), **overrides}) if overrides else cfg
+        if "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # its password is "***"
+            raise ValueError("its Redis URL has the password hidden (***, as a run's config.json shows it): give "
+                             "the URL with --redis or AGL_REDIS_URL")
+        return cfg
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -216,7 +228,7 @@ def demo(
 def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML file of TrainConfig fields"),
           policy: str = typer.Option("base", "--policy", help="base, vN (adapters/policy-vN of --run, default the "
                                      "newest run in out_dir that has it) or PATH (a PEFT adapter directory)"),
-          n: int = typer.Option(1, "--n", help="rollouts per held-out input (pass@k up to k = n)"),
+          n: int = typer.Option(1, "--n", max=1024, help="rollouts per held-out input (pass@k up to k = n)"),
           run: Path = typer.Option(None, "--run", exists=True, file_okay=False, help="run directory for --policy vN"),
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON only"),
           logger: list[str] = LoggerOpt):
@@ -319,18 +331,24 @@ def rollouts_create(
         err.print(f"[red]invalid --group[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
 
+    created: list[str] = []
+
     async def main():
         store = _store(redis, prefix)
         try:
             for rid in ids:
                 await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=group or base))
+                created.append(rid)
         finally:
             await store.close()
 
     try:
         asyncio.run(main())
     except ValueError as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]")
+        for rid in created:  # queued already: the user must know them (to run or clean them up)
+            console.print(rid)
+        err.print(f"[red]{escape(str(exc))}[/red]" + (f" ({len(created)} rollout(s) created before it and queued: "
+                                                      "printed above)" if created else ""))
         raise typer.Exit(1) from None
     for rid in ids:
         console.print(rid)
@@ -386,7 +404,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     settings = run_settings(_load_config(config).model_dump() if config is not None else {})
     try:
         decoder = load_decoder(tokenizer)
-    except (FileNotFoundError, OSError) as exc:
+    except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
         err.print(f"[red]--tokenizer {escape(str(tokenizer))}[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
 
@@ -550,24 +568,43 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
     """Release held calls on every replica: end one pause (--pause ID) or every pause."""
     from agl_common.control import resume
 
+    from agl_common.schemas import check_served_name
+
     if model is not None and (not model.strip() or version is None):
         err.print("[red]--model needs a non-empty name and its --version[/red] (a missing one was published as v0)")
         raise typer.Exit(2)
+    if version is not None and model is None:
+        err.print("[red]--version needs --model[/red] (a version alone names no policy: nothing was published)")
+        raise typer.Exit(2)
+    try:
+        if model is not None:
+            check_served_name(model)  # every served name's rule (a config's model_name too)
+    except ValueError as exc:
+        err.print(f"[red]--model[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
     async def main():
         store = _store(redis, prefix)
         try:
             current = await store.get_policy()
             if model is not None and current is not None and current.roles:
-                return current
+                return "roles", current
+            if pause is not None and pause not in await store.pauses():
+                return "unknown", sorted(await store.pauses())
             await resume(store, model, version, release=pause, release_all=pause is None)
+            return None
         finally:
             await store.close()
 
     refused = asyncio.run(main())
-    if refused is not None:  # one --model would have dropped every role's adapter (their calls served unrouted)
-        err.print(f"[red]the current policy has roles ({escape(printable(', '.join(refused.roles)))}): --model would "
-                  "drop them[/red]; resume without --model (a trainer publishes every role's adapter)")
+    if refused and refused[0] == "roles":  # one --model would drop every role's adapter (their calls unrouted)
+        err.print(f"[red]the current policy has roles ({escape(printable(', '.join(refused[1].roles)))}): --model "
+                  "would drop them[/red]; resume without --model (a trainer publishes every role's adapter)")
+        raise typer.Exit(2)
+    if refused:
+        held = ", ".join(printable(p) for p in refused[1]) or "none"
+        err.print(f"[red]no pause {escape(printable(pause))} is held[/red] (held now: {escape(held)}); nothing "
+                  "was resumed")
         raise typer.Exit(2)
     console.print("resumed")
 

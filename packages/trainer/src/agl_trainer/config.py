@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from agl_common.schemas import Policy, check_role_name
+from agl_common.schemas import Policy, check_role_name, check_served_name
 from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_prefix, engine_base_urls,
                                  redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -80,7 +80,7 @@ class TrainConfig(BaseModel):
     eval_subset: int = Field(64, ge=0, description="held-out inputs of the evaluations during training (a fixed "
                              "subset)")
     concurrency: int = Field(32, ge=1)
-    active_groups: int | None = Field(None, ge=1, description="groups in flight; more than groups_per_step = "
+    active_groups: int | None = Field(None, ge=1, le=4096, description="groups in flight; more than groups_per_step = "
                                       "collocated async RL (None: synchronous)")
     max_staleness: int = Field(1, ge=0, description="async: drop a group created more than this many versions ago")
     rollout_timeout_s: float = Field(180.0, gt=0)
@@ -246,10 +246,7 @@ class TrainConfig(BaseModel):
     @field_validator("model_name")
     @classmethod
     def _model_name(cls, v: str) -> str:
-        Policy(model=v)  # the gateway's rule for a served name (ValueError for an empty one)
-        if not v.isprintable() or v != v.strip():
-            raise ValueError(f"model_name {v!r}: printable characters, no spaces around")
-        return v
+        return check_served_name(v)  # the rule of every served name (Policy's)
 
     @field_validator("redis_url")
     @classmethod

@@ -72,3 +72,27 @@ def check_task(cfg: TrainConfig, train: bool = True) -> None:
     for fn in ([cfg.train_fn] if train else []) + [cfg.heldout_fn]:
         _task_function(module, cfg.task_file, fn)
     load_is_correct(cfg.task_file, cfg.correct_fn)
+
+
+def check_controller_imports(cfg: TrainConfig) -> None:
+    """Before any service starts: the modules the controller will import, ``cfg.reward_fn``'s and each of
+    ``cfg.preload``, can be found by this interpreter from this directory (the controller is started with this
+    interpreter, here; with the verl backend it runs in verl's own environment, so this check is not made).
+    Raises :class:`TaskError` naming the field and the module."""
+    import importlib.util
+    import os
+    import sys
+
+    wanted = [("reward_fn", cfg.reward_fn.partition(":")[0])] if cfg.reward_fn else []
+    wanted += [("preload", m) for m in cfg.preload]
+    sys.path.insert(0, os.getcwd())  # as `python -m agl_controller` sees it
+    try:
+        for field_name, module in wanted:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a parent package that does not import
+                found = False
+            if not found:
+                raise TaskError(f"{field_name}: no module named {module!r} here (the controller imports it)")
+    finally:
+        sys.path.remove(os.getcwd())
