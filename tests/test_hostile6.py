@@ -316,3 +316,221 @@ def test_a_runs_config_json_with_its_hidden_redis_password_asks_for_the_url(tmp_
     config.write_text(json.dumps({"redis_url": "redis://:***@127.0.0.1:6379/0"}))
     out = _cli("agl_trainer", "train", str(config))
     assert out.returncode == 2 and "--redis" in out.stderr and "Traceback" not in out.stderr, out.stderr[-400:]
+
+
+# ------------------------------------------------------------------------------------------ the gateway, round 6
+async def _one(c, gw, body=None, route="chat/completions", rid="r1"):
+    return await c.post(f"{gw.url}/rollouts/{rid}/attempts/0/v1/{route}",
+                        json={"model": "m", "messages": USER, **(body or {})})
+
+
+async def _last(store, rid="r1"):
+    calls = await store.read_calls(rid)
+    return calls[-1] if calls else None
+
+
+async def test_an_engine_redirect_is_an_engine_error_never_followed(store, redis_url, prefix):
+    """Round 6: a 307 from the engine re-sent the agent's whole conversation to the Location (any host) and handed
+    that host's answer to the agent; a redirect to a dead port marked the engine down for every rollout."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, RedirectResponse
+    from fakes import Served
+
+    seen = []
+    elsewhere = FastAPI()
+
+    @elsewhere.post("/elsewhere")
+    async def stolen(request: Request):
+        seen.append(await request.body())
+        return JSONResponse({"stolen": True})
+
+    with Served(elsewhere) as thief:
+        engine = FastAPI()
+
+        @engine.get("/v1/models")
+        async def models():
+            return {"data": [{"id": "m"}]}
+
+        @engine.post("/v1/chat/completions")
+        async def redirect():
+            return RedirectResponse(thief.url + "/elsewhere", status_code=307)
+
+        await make_rollout(store, "r1")
+        with Served(engine) as up, gateway(redis_url, prefix, up.url) as gw:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await _one(c, gw)
+                again = await _one(c, gw)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error" and "307" in r.text, r.text
+    assert again.status_code == 502 and again.json()["error"]["code"] == "upstream_error"  # not marked down
+    assert seen == []
+
+
+async def test_an_engine_answer_past_the_bound_is_a_502_and_keeps_nothing_of_it(store, redis_url, prefix, upstream,
+                                                                              monkeypatch):
+    """Round 6: a complete answer had no size bound (a 20 KB gzip body inflated to 20 MB reached the agent and the
+    record; 400 MB blocked Redis for every client)."""
+    from agl_gateway import upstream as up_mod
+    from fakes import chat_answer
+
+    monkeypatch.setattr(up_mod, "ANSWER_BYTES_MAX", 20_000)
+    await make_rollout(store, "r1")
+    big = chat_answer("up", [1, 2, 3], [5, 6, 2], message="x" * 30_000)
+    upstream.app.state.plan = ("body", 200, orjson.dumps(big))
+    try:
+        with gateway(redis_url, prefix, upstream.url) as gw:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await _one(c, gw)
+    finally:
+        upstream.app.state.plan = None
+    assert r.status_code == 502 and "exceeds" in r.text, r.text
+    rec = await _last(store)
+    assert rec.status == "error" and rec.response is None and len(rec.model_dump_json()) < 5000
+
+
+async def test_records_that_contradict_the_engines_own_answer_are_errors(store, redis_url, prefix, upstream):
+    """Round 6: prompt ids other than usage.prompt_tokens, a reply with text but no token ids (usage saying 0), an
+    ``error`` beside valid choices, and in a stream: a second, different prompt_token_ids or a choice index "0"
+    (relayed, not captured) were all recorded ``ok``."""
+    from fakes import chat_answer, chat_chunks
+
+    await make_rollout(store, "r1")
+    bodies = []
+    b = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    b["usage"]["prompt_tokens"] = 999
+    bodies.append(("prompt token ids incomplete", b))
+    b = chat_answer("up", [1, 2, 3], [], message="long text with no tokens", completion_tokens=0)
+    bodies.append(("response token ids missing", b))
+    b = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    b["error"] = {"message": "engine died"}
+    bodies.append(("engine died", b))
+    chunks = chat_chunks("up", [1, 2, 3], [5, 6, 7, 2])
+    second = orjson.loads(chunks[1][len(b"data: "):])
+    second["prompt_token_ids"] = [99, 98]
+    two_prompts = [chunks[0], b"data: " + orjson.dumps(second) + b"\n\n", *chunks[2:]]
+    string_index = [c.replace(b'"index":0', b'"index":"0"') if k else c for k, c in enumerate(chunks)]
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for word, body in bodies:
+                upstream.app.state.plan = ("body", 200, orjson.dumps(body))
+                await _one(c, gw)
+                rec = await _last(store)
+                assert rec.status == "error" and word in rec.error, (word, rec.status, rec.error)
+            for word, sent in (("prompt_token_ids", two_prompts), ("index", string_index)):
+                upstream.app.state.plan = ("stream", sent, "done")
+                await _one(c, gw, {"stream": True})
+                rec = await _last(store)
+                assert rec.status == "error" and word in rec.error, (word, rec.status, rec.error)
+            upstream.app.state.plan = ("stream", chunks, "done")
+            await _one(c, gw, {"stream": True})
+            assert (await _last(store)).status == "ok"
+    upstream.app.state.plan = None
+
+
+async def test_a_deep_stream_answer_is_an_error_record_every_reader_can_read(store, redis_url, prefix, upstream):
+    """Round 6: a live stream whose usage chunk nested 220 levels was recorded ``ok`` and made every read of the
+    rollout (show, export, training rows) fail; at 300 levels nothing was recorded and the agent got a 500 event."""
+    from fakes import chat_chunks
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await _one(c, gw)).status_code == 200
+            for depth in (220, 300):
+                chunks = chat_chunks("up", [1, 2, 3], [5, 6, 7, 2])
+                usage = orjson.loads(chunks[-1][len(b"data: "):])
+                deep: object = 1
+                for _ in range(depth if depth < 250 else 240):
+                    deep = [deep]
+                usage["usage"]["x"] = deep
+                raw = b"data: " + orjson.dumps(usage) + b"\n\n"
+                if depth >= 250:  # past orjson's own limit: written by hand
+                    raw = raw.replace(b'"x":', b'"x":' + b"[" * (depth - 240), 1)
+                    raw = raw.replace(b"]}}", b"]" * (depth - 240) + b"]}}", 1)
+                upstream.app.state.plan = ("stream", [*chunks[:-1], raw], "done")
+                r = await _one(c, gw, {"stream": True})
+                assert r.status_code == 200 and "internal_error" not in r.text, r.text[-300:]
+    upstream.app.state.plan = None
+    calls = await store.read_calls("r1")  # every record readable, the good one kept
+    assert [x.status for x in calls][0] == "ok" and all(x.status == "error" for x in calls[1:]), calls
+    assert len(calls) == 3
+
+
+async def test_completions_keep_the_agents_logprobs_and_refuse_odd_ones(store, redis_url, prefix, upstream):
+    """Round 6: ``logprobs: 5`` was forced to 0 (no alternatives for the agent), ``logprobs: 0`` answered null,
+    ``logprobs: "yes"`` passed."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            post = lambda body: c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/completions",  # noqa: E731
+                                       json={"model": "m", "prompt": "3+4=", **body})
+            for odd in ("yes", True, -1, 1.5):
+                r = await post({"logprobs": odd})
+                assert r.status_code == 400 and "logprobs" in r.text, (odd, r.text)
+            r5 = await post({"logprobs": 5})
+            assert r5.status_code == 200 and upstream.app.state.calls[-1]["logprobs"] == 5
+            r0 = await post({"logprobs": 0})
+            assert r0.status_code == 200 and r0.json()["choices"][0]["logprobs"] is not None, r0.text
+            plain = await post({})
+            assert plain.status_code == 200 and plain.json()["choices"][0]["logprobs"] is None
+            assert upstream.app.state.calls[-1]["logprobs"] == 0
+
+
+async def test_a_usage_chunk_with_choices_still_reaches_an_agent_that_did_not_ask_for_usage(
+        store, redis_url, prefix, upstream):
+    """Round 6: a last token chunk that also carried ``usage`` was dropped whole for an agent without
+    stream_options: it never got the last text nor the finish reason (the record had them)."""
+    from fakes import chat_chunks
+
+    await make_rollout(store, "r1")
+    chunks = chat_chunks("up", [1, 2, 3], [5, 6, 7, 2], text="the answer is 7")
+    last, usage = orjson.loads(chunks[-2][len(b"data: "):]), orjson.loads(chunks[-1][len(b"data: "):])
+    last["usage"] = usage["usage"]
+    last["choices"][0]["delta"]["content"] = "LAST"
+    sent = [*chunks[:-2], b"data: " + orjson.dumps(last) + b"\n\n"]
+    upstream.app.state.plan = ("stream", sent, "done")
+    try:
+        with gateway(redis_url, prefix, upstream.url) as gw:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await _one(c, gw, {"stream": True})
+    finally:
+        upstream.app.state.plan = None
+    assert "LAST" in r.text and '"finish_reason":"stop"' in r.text and '"usage"' not in r.text, r.text
+    assert (await _last(store)).status == "ok"
+
+
+async def test_a_held_call_is_checked_again_when_the_pause_ends_and_held_calls_are_bounded(store, redis_url,
+                                                                                        prefix, upstream):
+    """Round 6: a call held by a pause while its rollout succeeded (or its attempt was retried) was forwarded
+    after the resume and recorded ``ok``; one scoped key could park any number of 8 MiB bodies while paused."""
+    import asyncio
+
+    import pytest
+    from agl_common.control import pause_and_drain, resume
+    from agl_common.schemas import RolloutStatus
+    from agl_gateway.gate import PauseGate, TooManyHeld
+
+    await make_rollout(store, "r1")
+    await make_rollout(store, "r2")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            await pause_and_drain(store, "p1", timeout_s=10)
+            held = [asyncio.create_task(_one(c, gw, rid=rid)) for rid in ("r1", "r2")]
+            await asyncio.sleep(0.5)
+            await store.set_status("r1", RolloutStatus.succeeded)
+            await store.retry_attempt("r2", "0")
+            await resume(store, release="p1")
+            r1, r2 = await asyncio.gather(*held)
+    assert (r1.status_code, r1.json()["error"]["code"]) == (409, "rollout_finished"), r1.text
+    assert (r2.status_code, r2.json()["error"]["code"]) == (409, "stale_attempt"), r2.text
+    assert upstream.app.state.calls == [] and await store.read_calls("r1") == []
+
+    gate = PauseGate(5.0, max_held_per_attempt=2)
+    gate.hold(frozenset({"p"}))
+    waiting = [asyncio.create_task(gate.enter("r/0")) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(TooManyHeld):
+        await gate.enter("r/0")
+    other = asyncio.create_task(gate.enter("s/0"))  # another attempt is not refused
+    await asyncio.sleep(0.05)
+    gate.hold(frozenset())
+    assert await asyncio.gather(*waiting, other) == [True, True, True]
