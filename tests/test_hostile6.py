@@ -534,3 +534,79 @@ async def test_a_held_call_is_checked_again_when_the_pause_ends_and_held_calls_a
     await asyncio.sleep(0.05)
     gate.hold(frozenset())
     assert await asyncio.gather(*waiting, other) == [True, True, True]
+
+
+async def test_controller_edges_of_round_6(store, redis_url, prefix, tmp_path, monkeypatch):
+    """Round 6: a legal 250-character rollout id could never run locally (its log file name was too long); a
+    rollout whose every call the engine failed succeeded on its posted reward; a judge was skipped whenever the
+    harness posted a reward (now ``--reward-fn-always`` makes it the judge); ``--preload`` with ``python -u`` failed
+    every rollout; ``--gateway`` without a scheme failed every run as the agent's ``exit_code:1``; ``--dry-run``
+    printed the queued rollouts' working scoped keys."""
+    from pathlib import Path
+
+    import pytest
+    from agl_common.auth import scoped_key
+    from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+    from agl_controller import LocalRunner
+    from agl_controller.spawn import LaunchError, Launcher
+    from agl_gateway import GatewaySettings, create_app
+    from fakes import Served, fake_upstream
+    from test_controller import HARNESS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    with Served(fake_upstream()) as up, Served(create_app(GatewaySettings(
+            upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y"))) as gw:
+        long_id = "L" * 250
+        runner = LocalRunner(store, gw.url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs",
+                             reward_fn="rewards:zero", reward_fn_always=True)
+        for rid in (long_id, "self-rewarded"):
+            await store.create_rollout(Rollout(rollout_id=rid, input={"calls": 1, "reward": 1e6}))
+            await runner.run_one(await store.pop_queued())
+        long_r, self_r = await store.get_rollout(long_id), await store.get_rollout("self-rewarded")
+        assert long_r.status == RolloutStatus.succeeded, long_r.failure
+        assert (self_r.status, self_r.reward) == (RolloutStatus.succeeded, 0.0)  # the judge's, not the harness's
+        assert any(e["type"] == "reward_replaced" for e in await store.read_events("self-rewarded"))
+        assert len(list((tmp_path / "logs").glob("L*"))) == 1
+    # every call failed at the engine: the posted reward does not make it a success
+    await store.create_rollout(Rollout(rollout_id="failed-calls", status=RolloutStatus.running, reward=1.0),
+                               enqueue=False)
+    await store.record_call(CallRecord(rollout_id="failed-calls", attempt_id="0", seq=-1, route="chat", request={},
+                                       response=None, status="error", error="502 upstream_error"))
+    out = await runner.finish_attempt("failed-calls", "0", None)
+    assert (out.status, out.failure) == (RolloutStatus.failed, "no_model_calls")
+    import sys
+    with pytest.raises(LaunchError, match="-u"):
+        Launcher([sys.executable, "-u", "x.py"], ["json"])
+    for args in (("--gateway", "127.0.0.1:8080", "--command", "python x.py"),
+                 ("--gateway", "http://gw:8080", "--command", "python x.py", "--reward-fn-always")):
+        res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, *args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-400:])
+    template = tmp_path / "job.yaml.j2"
+    template.write_text("spec: {template: {spec: {containers: [{name: c, image: x}]}}}\n")
+    res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, "--mode", "k8s", "--template",
+               str(template), "--dry-run", "--key", "adminkey", "--input", "{}")
+    assert res.returncode == 0, res.stderr[-400:]
+    assert scoped_key("adminkey", "dry-run-0", "0") not in res.stdout and "OPENAI_API_KEY" in res.stdout
+
+
+def test_the_stack_swaps_only_a_python_interpreter_word():
+    """Round 5: ``cfg.command.replace("python ", ...)`` rewrote ``mypython x.py`` and any argument holding
+    ``python ``."""
+    from agl_trainer.stack import harness_command
+
+    assert harness_command('python a.py --note "a python b"', "/v/py") == "/v/py a.py --note 'a python b'"
+    assert harness_command("mypython x.py", "/v/py") == "mypython x.py"
+    assert harness_command("python3 -m pkg", "/v/py") == "/v/py -m pkg"
+
+
+def test_the_dashboard_reads_numbers_past_float_range_as_missing(tmp_path):
+    """Round 6: a ``1e400`` in a run's metrics.jsonl made /api/runs/{run} a 500 (it read as inf)."""
+    import json as std_json
+
+    from agl_trainer.ui.runs import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1e400}\n{"step": 2, "loss": -1e999, "kl": 0.5}\n')
+    rows = read_jsonl(path)
+    assert rows == [{"step": 1, "loss": None}, {"step": 2, "loss": None, "kl": 0.5}]
+    std_json.dumps(rows, allow_nan=False)

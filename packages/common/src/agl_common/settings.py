@@ -66,15 +66,20 @@ def engine_base_urls(value: str) -> list[str]:
     urls = [u.strip().rstrip("/").removesuffix("/v1") for u in value.split(",") if u.strip()]
     if not urls:
         raise ValueError("no engine URL given")
-    for url in urls:
-        try:
-            parts = urlsplit(url)
-            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
-        except ValueError as exc:
-            raise ValueError(f"engine URL {url!r}: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL {url!r} must be http(s)://host[:port][/path]")
-    return urls
+    return [check_http_url(url, "engine URL") for url in urls]
+
+
+def check_http_url(url: str, what: str = "URL") -> str:
+    """``url`` if it is ``http(s)://host[:port][/path]``; else ``ValueError`` naming ``what`` (an engine's or the
+    gateway's URL: a typo there fails every later call, or every harness run, as something else)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"{what} {redacted_url(url)!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {redacted_url(url)!r} must be http(s)://host[:port][/path]")
+    return url
 
 
 class CommonSettings(BaseSettings):

@@ -139,6 +139,9 @@ class Runner:
     Args:
         store: the experiment's store.
         reward_fn: ``module:function`` used when a successful run reported no reward itself.
+        reward_fn_always: the reward function scores every run that ended well, replacing a reward the harness
+            posted (kept as an event ``reward_replaced``): a judge the harness (or a tool its model runs with the
+            harness's environment and scoped key) cannot overrule.
         max_attempts: attempts per rollout, the first included (1: never retry).
         retry_on: failure reasons that start a new attempt (see :func:`matches`).
         controller_id: this controller's name in Redis; default ``{hostname}-{random}``. Reuse it on a
@@ -149,13 +152,14 @@ class Runner:
 
     def __init__(self, store: Store, reward_fn: str | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0, reward_timeout_s: float = 300.0):
+                 lease_ttl_s: float = 15.0, reward_timeout_s: float = 300.0, reward_fn_always: bool = False):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if not lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.store = store
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None
+        self.reward_fn_always = reward_fn_always
         self.max_attempts = max_attempts
         self.retry_on = check_retry_on(retry_on)
         self.controller_id = controller_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -305,11 +309,12 @@ class Runner:
                 raise Stale(f"rollout is {r.status.value} on attempt {r.attempt_id}")
 
         calls = await self.store.read_calls(rollout_id, attempt_id) if check_calls else []
-        if failure is None and not calls:
+        if failure is None and not any(c.status == "ok" for c in calls):  # (error records train nothing)
             failure = "no_model_calls"
         rollout = await self.store.get_rollout(rollout_id)
         current(rollout)
-        if failure is None and rollout.reward is None and self.reward_fn is not None:
+        if failure is None and self.reward_fn is not None and (rollout.reward is None or self.reward_fn_always):
+            posted = rollout.reward
             try:
                 # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
                 # other runs' outcomes): a frozen loop let the lease expire and another controller end them
@@ -324,6 +329,9 @@ class Runner:
                     current(r)
                     r.reward = value
                 rollout = await self.store.update_rollout(rollout_id, set_reward)
+                if posted is not None:
+                    await self.store.add_event(rollout_id, attempt_id, "reward_replaced",
+                                               {"posted": posted, "reward_fn": value})
         if failure is None and rollout.reward is None:
             failure = "no_reward"
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:

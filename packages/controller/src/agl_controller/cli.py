@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_http_url, check_prefix
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
@@ -45,6 +45,9 @@ def run(
     timeout: float = typer.Option(300.0, envvar="AGL_TIMEOUT", help="seconds per run (k8s: activeDeadlineSeconds)"),
     key: str = typer.Option(None, envvar="AGL_KEY", help="gateway admin key (to derive scoped keys)"),
     reward_fn: str = typer.Option(None, envvar="AGL_REWARD_FN", help="module:function(input, output) -> float"),
+    reward_fn_always: bool = typer.Option(False, "--reward-fn-always", envvar="AGL_REWARD_FN_ALWAYS",
+                                          help="the reward function scores every run, replacing a reward the "
+                                               "harness posted (default: only runs that posted none)"),
     log_dir: str = typer.Option("runs/logs", envvar="AGL_LOG_DIR"),
     max_attempts: int = typer.Option(1, envvar="AGL_MAX_ATTEMPTS", min=1, help="attempts per rollout (1: no retry)"),
     retry_on: str = typer.Option(",".join(DEFAULT_RETRY_ON), envvar="AGL_RETRY_ON",
@@ -80,6 +83,7 @@ def run(
         check_retry_on(retry)
         check_prefix(prefix)
         check_redis_url(redis)
+        check_http_url(gateway, "--gateway")
         if command:
             shlex.split(command)  # an unclosed quote: ValueError
         if reward_fn:
@@ -90,8 +94,11 @@ def run(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    if reward_fn_always and not reward_fn:
+        typer.echo("error: --reward-fn-always needs --reward-fn", err=True)
+        raise typer.Exit(2)
     common = dict(reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry, controller_id=controller_id,
-                  lease_ttl_s=lease_ttl)
+                  lease_ttl_s=lease_ttl, reward_fn_always=reward_fn_always)
     if mode == "local":
         if not command:
             typer.echo("--command is required in local mode", err=True)
@@ -182,8 +189,11 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
 
     from .k8s import JobRenderer
 
-    renderer = JobRenderer(template_text, gateway, model, key=key, namespace=namespace, ttl_after_finished_s=ttl,
-                           timeout_s=timeout, prefix=prefix, input_templates=input_templates)
+    # a printed manifest is a log: its scoped keys are derived from a stand-in, never from the admin key (they would
+    # be the working keys of the queued rollouts' first attempts)
+    renderer = JobRenderer(template_text, gateway, model, key="dry-run-not-the-admin-key" if key else None,
+                           namespace=namespace, ttl_after_finished_s=ttl, timeout_s=timeout, prefix=prefix,
+                           input_templates=input_templates)
     if inputs:
         try:
             rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]

@@ -346,7 +346,8 @@ class K8sRunner(Runner):
         reconcile_every_s: seconds between full reconciliations (the watch wakes it earlier).
         job_lost_after_s: a running rollout without its Job this long after it started fails ``job_lost``.
         watch: also watch Jobs to react at once.
-        reward_fn, max_attempts, retry_on, controller_id, lease_ttl_s: see :class:`~agl_controller.base.Runner`.
+        reward_fn, max_attempts, retry_on, controller_id, lease_ttl_s, reward_fn_always: see
+            :class:`~agl_controller.base.Runner`.
     """
 
     def __init__(self, store: Store, gateway_url: str, template: str, model: str, namespace: str = "default",
@@ -355,9 +356,9 @@ class K8sRunner(Runner):
                  poll_s: float = 1.0, reconcile_every_s: float = 10.0, job_lost_after_s: float = 60.0,
                  watch: bool = True, reward_fn: str | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0, input_templates: bool = False):
+                 lease_ttl_s: float = 15.0, input_templates: bool = False, reward_fn_always: bool = False):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
-                         controller_id=controller_id, lease_ttl_s=lease_ttl_s,
+                         controller_id=controller_id, lease_ttl_s=lease_ttl_s, reward_fn_always=reward_fn_always,
                          reward_timeout_s=timeout_s or 300.0)  # a reward function gets a run's time at most
         from kubernetes import client
 

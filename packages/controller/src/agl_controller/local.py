@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import hashlib
 import json
 import logging
 import os
@@ -102,6 +103,20 @@ def _outcome(returncode: int) -> str | None:
     return f"exit_code:{returncode}"
 
 
+#: Longest log file name kept as ``{rollout}.{attempt}.log`` (a file name holds at most 255 bytes; ids hold 256).
+LOG_NAME_MAX = 200
+
+
+def log_name(rollout_id: str, attempt_id: str) -> str:
+    """The file name of an attempt's log: ``{rollout}.{attempt}.log``, or for an id too long for a file name its
+    first 150 characters, ``~`` and 16 hex digits of its SHA-256 (``{head}~{hash}.{attempt}.log``)."""
+    name = f"{rollout_id}.{attempt_id}.log"
+    if len(name) <= LOG_NAME_MAX:
+        return name
+    digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:16]
+    return f"{rollout_id[:150]}~{digest}.{attempt_id}.log"
+
+
 class LocalRunner(Runner):
     """Runs ``command`` once per queued rollout attempt as a local process group.
 
@@ -114,13 +129,14 @@ class LocalRunner(Runner):
         timeout_s: wall-clock limit of one run, seconds; past it the process group gets SIGKILL.
         key: the gateway admin key, to derive rollout-scoped keys (None: auth off).
         reward_fn: ``module:function`` used when the run reported no reward itself.
-        log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log``.
+        log_dir: stdout and stderr of each attempt go to ``{log_dir}/{rollout}.{attempt}.log`` (:func:`log_name`).
         cwd: where every run starts (default: this process's working directory when the runner is made; both
             are resolved then, whatever a reward function does to the working directory later).
         extra_env: variables set for every run (``NAME → value``), under the contract's own.
         pass_env: names (or globs) of the controller's variables a run gets besides :data:`BASE_PASS_ENV`;
             nothing else of the controller's environment reaches a harness.
-        max_attempts, retry_on, controller_id, lease_ttl_s: see :class:`agl_controller.base.Runner`.
+        max_attempts, retry_on, controller_id, lease_ttl_s, reward_fn_always: see
+            :class:`agl_controller.base.Runner`.
         preload: Python modules to import once and fork each run from (:mod:`agl_controller.spawn`);
             empty: exec the command for each run.
 
@@ -132,9 +148,10 @@ class LocalRunner(Runner):
                  reward_fn: str | None = None, log_dir: Path | str = "runs/logs", cwd: str | None = None,
                  extra_env: dict[str, str] | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
-                 lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = ()):
+                 lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = (),
+                 reward_fn_always: bool = False):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
-                         controller_id=controller_id, lease_ttl_s=lease_ttl_s,
+                         controller_id=controller_id, lease_ttl_s=lease_ttl_s, reward_fn_always=reward_fn_always,
                          reward_timeout_s=timeout_s)  # a reward function gets a run's time at most
         self.gateway_url = gateway_url
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
@@ -231,7 +248,7 @@ class LocalRunner(Runner):
         env = {**passed_env(dict(os.environ), self.pass_env), **self.extra_env,
                **harness_env(self.gateway_url, rollout, self.model, self.key)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{rollout_id}.{aid}.log"
+        log_path = self.log_dir / log_name(rollout_id, aid)
         failure: str | None = None
         try:
             proc = await self.launcher.start(env, self.cwd, log_path)

@@ -133,6 +133,10 @@ class Launcher:
         if self.preload:
             if len(self.command) < 2 or (self.command[1] == "-m" and len(self.command) < 3):
                 raise LaunchError(f"preload needs a Python command (python script.py ...), got {self.command}")
+            if self.command[1].startswith("-") and self.command[1] != "-m":
+                raise LaunchError(f"preload runs `python SCRIPT ...` or `python -m MODULE ...`; interpreter options "
+                                  f"({self.command[1]}) are not taken: drop them (PYTHONUNBUFFERED=1 for -u) or "
+                                  "drop --preload")
             exe = self.command[0]
             resolved = Path(exe if os.sep in exe else (shutil.which(exe) or exe))
             if resolved.absolute() != Path(sys.executable).absolute() and \

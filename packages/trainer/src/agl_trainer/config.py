@@ -67,6 +67,8 @@ class TrainConfig(BaseModel):
     correct_fn: str = Field("is_correct", description="task function (input, reward) -> bool: what counts as "
                             "solved for accuracy (absent from the task file: reward >= 1)")
     reward_fn: str | None = Field(None, description="module:function(input, output) if the harness posts none")
+    reward_fn_always: bool = Field(False, description="reward_fn scores every run, replacing a reward the harness "
+                                   "posted (agl-controller --reward-fn-always): a judge the agent cannot overrule")
     # sizes
     steps: int = Field(40, ge=1)
     max_train_minutes: float | None = Field(30.0, gt=0, description="stop training after the step that passes "

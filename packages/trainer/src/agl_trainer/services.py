@@ -215,14 +215,15 @@ class Services:
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
                          concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
                          preload: list[str] | None = None, pass_env: list[str] | None = None,
-                         key: str | None = None) -> None:
+                         key: str | None = None, reward_fn_always: bool = False) -> None:
         """Start ``agl-controller run --mode local``; ``pass_env``: names of this process's variables each harness
-        run gets besides the controller's safe defaults (``--pass-env``)."""
+        run gets besides the controller's safe defaults (``--pass-env``); ``reward_fn_always``:
+        ``--reward-fn-always``."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
                 "--gateway", gateway_url, "--prefix", prefix, "--model", model,
                 "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:
-            argv += ["--reward-fn", reward_fn]
+            argv += ["--reward-fn", reward_fn] + (["--reward-fn-always"] if reward_fn_always else [])
         if preload:
             argv += ["--preload", ",".join(preload)]
         if pass_env:

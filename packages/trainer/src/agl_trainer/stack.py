@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,16 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
     return engine, base
 
 
+def harness_command(command: str, python: str) -> str:
+    """``command`` with its interpreter (a first word ``python`` or ``python3``) replaced by ``python`` (the
+    controller's own, so that ``--preload`` can fork it); any other command as it is. Split and joined with
+    ``shlex`` (a substring replace rewrote ``mypython x.py`` and arguments holding ``python ``)."""
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = python
+    return shlex.join(argv)
+
+
 def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str, model_name: str, log_dir: Path,
                  python: str | None = None) -> str:
     """Start the gateway on ``upstream`` (unless ``cfg.gateway_url``) and the controller running ``cfg.command``
@@ -54,7 +65,7 @@ def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str,
     if not cfg.gateway_url:
         key = os.environ.get("AGL_KEY") or secrets.token_urlsafe(32)
     gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name, key=key)
-    svc.start_controller(cfg.command.replace("python ", (python or sys.executable) + " ", 1), gateway, redis_url,
+    svc.start_controller(harness_command(cfg.command, python or sys.executable), gateway, redis_url,
                          cfg.prefix, model_name, cfg.concurrency, cfg.rollout_timeout_s, log_dir, cfg.reward_fn,
-                         cfg.preload, cfg.harness_env, key=key)
+                         cfg.preload, cfg.harness_env, key=key, reward_fn_always=cfg.reward_fn_always)
     return gateway

@@ -9,6 +9,7 @@ defensively: older runs lack some (``time_generation_s`` was ``rollout_s``, ``he
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +54,15 @@ def pick(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+def _finite(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """JSON objects of a JSON Lines file; a line that does not parse (a half-written last line) is skipped;
-    ``NaN``/``Infinity`` (written by older runs) read as None, so every page and API answer is valid JSON."""
+    ``NaN``/``Infinity`` (written by older runs) and numbers past float range (``1e400``) read as None, so every
+    page and API answer is valid JSON."""
     out = []
     try:
         text = path.read_text()
@@ -63,7 +70,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return out
     for line in text.splitlines():
         try:
-            obj = json.loads(line, parse_constant=lambda _: None)
+            obj = json.loads(line, parse_constant=lambda _: None, parse_float=_finite)
         except ValueError:
             continue
         if isinstance(obj, dict):
