@@ -610,3 +610,28 @@ def test_the_dashboard_reads_numbers_past_float_range_as_missing(tmp_path):
     rows = read_jsonl(path)
     assert rows == [{"step": 1, "loss": None}, {"step": 2, "loss": None, "kl": 0.5}]
     std_json.dumps(rows, allow_nan=False)
+
+
+def test_messages_export_writes_odd_tool_calls_in_one_shape(tmp_path):
+    """Round 5: ``--shape messages`` failed on a call whose ``tool_calls`` was a string, and Parquet refused tool
+    arguments that were an object in one call and a string in the next."""
+    from agl_common.schemas import CallRecord
+    from agl_trainer.export import ExportStats, conversations, write
+
+    def call(seq, sent, answer):
+        return CallRecord(rollout_id="r", attempt_id="0", seq=seq, route="chat", request={"messages": sent},
+                          response={"choices": [{"message": answer}]})
+
+    tc = lambda args: [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]  # noqa: E731
+    calls = [call(0, USER, {"role": "assistant", "content": None, "tool_calls": tc({"x": 1})}),
+             call(1, USER + [{"role": "assistant", "tool_calls": "not a list"}], {"role": "assistant",
+                                                                                 "tool_calls": tc('{"x": 2}')}),
+             call(2, [{"role": "user", "content": 5, "name": 7}], {"role": "assistant", "tool_calls": [5, None]})]
+    convs = conversations(calls, ExportStats())
+    records = [{"messages": m, "tools": t, "n_calls": n} for m, t, n in convs]
+    flat = [msg for r in records for msg in r["messages"]]
+    assert all(v is None or isinstance(v, str) for msg in flat for k, v in msg.items() if k != "tool_calls")
+    args = [c["function"]["arguments"] for msg in flat for c in msg["tool_calls"] or []]
+    assert args and all(isinstance(a, str) for a in args)
+    write(records, "messages", "parquet", tmp_path / "m.parquet")
+    assert (tmp_path / "m.parquet").stat().st_size > 0

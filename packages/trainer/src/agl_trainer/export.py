@@ -91,16 +91,29 @@ def _text(content: Any) -> str | None:
     return json.dumps(content)
 
 
+def _str(value: Any) -> str | None:
+    """A field of the fixed message shape as text (None kept; anything else as JSON): one type per column, whatever
+    the harness sent (a dict of tool arguments in one call and a string in the next broke the Parquet schema)."""
+    return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
 def sft_message(m: dict[str, Any]) -> dict[str, Any]:
     """One chat message in a fixed shape: ``role``, ``content`` (text or None), ``tool_calls`` (list of
-    ``{id, type, function: {name, arguments}}`` or None), ``tool_call_id``, ``name``."""
-    calls = m.get("tool_calls") or None
-    if calls:
-        calls = [{"id": c.get("id"), "type": c.get("type", "function"),
-                  "function": {"name": (c.get("function") or {}).get("name"),
-                               "arguments": (c.get("function") or {}).get("arguments")}} for c in calls]
-    return {"role": m.get("role"), "content": _text(m.get("content")), "tool_calls": calls,
-            "tool_call_id": m.get("tool_call_id"), "name": m.get("name")}
+    ``{id, type, function: {name, arguments}}`` or None; entries that are not objects are left out), ``tool_call_id``,
+    ``name``; every leaf a string or None (:func:`_str`)."""
+    raw = m.get("tool_calls")
+    calls = None
+    if isinstance(raw, list) and raw:
+        calls = []
+        for c in raw:
+            if not isinstance(c, dict):
+                continue
+            fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+            calls.append({"id": _str(c.get("id")), "type": _str(c.get("type", "function")),
+                          "function": {"name": _str(fn.get("name")), "arguments": _str(fn.get("arguments"))}})
+        calls = calls or None
+    return {"role": _str(m.get("role")), "content": _str(_text(m.get("content"))), "tool_calls": calls,
+            "tool_call_id": _str(m.get("tool_call_id")), "name": _str(m.get("name"))}
 
 
 def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[list[dict], Any, int]]:
