@@ -635,3 +635,22 @@ def test_messages_export_writes_odd_tool_calls_in_one_shape(tmp_path):
     assert args and all(isinstance(a, str) for a in args)
     write(records, "messages", "parquet", tmp_path / "m.parquet")
     assert (tmp_path / "m.parquet").stat().st_size > 0
+
+
+async def test_a_gateway_without_a_key_takes_no_body_a_web_page_could_send_cross_site(store, redis_url, prefix,
+                                                                                    upstream):
+    """Round 6: a keyless gateway took ``Content-Type: text/plain`` (no CORS preflight): any web page open on the
+    machine could make model calls and post rewards."""
+    await make_rollout(store, "r1")
+    body = orjson.dumps({"model": "m", "messages": USER})
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            base = f"{gw.url}/rollouts/r1/attempts/0"
+            for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                         "Text/Plain; charset=utf-8"):
+                for route, raw in (("v1/chat/completions", body), ("reward", b'{"value": 1}')):
+                    r = await c.post(f"{base}/{route}", content=raw, headers={"Content-Type": kind})
+                    assert r.status_code == 415, (kind, route, r.status_code)
+            assert upstream.app.state.calls == [] and (await store.get_rollout("r1")).reward is None
+            ok = await c.post(f"{base}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+            assert ok.status_code == 200

@@ -157,5 +157,5 @@ async def caller_and_body(request: Request, st: GatewayState, create: bool = Tru
     if st.settings.key:
         ident = await resolve_identity(request, st, create)
         return ident, await read_json(request, st.settings.max_body_bytes)
-    body = await read_json(request, st.settings.max_body_bytes)
+    body = await read_json(request, st.settings.max_body_bytes, keyless=True)
     return await resolve_identity(request, st, create), body
