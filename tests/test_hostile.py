@@ -184,15 +184,20 @@ async def test_ids_outside_any_vocabulary_are_not_kept_and_the_export_holds(stor
 
 async def test_gateway_status_prints_names_escaped(store, redis_url, prefix):
     """A served model name '[/]' (from an engine's /v1/models or an operator) crashed `gateway status`; an OSC-8
-    link in it reached the terminal."""
+    link in it reached the terminal. (Round 6: a policy cannot hold a name with control characters at all; a
+    replica's heartbeat still may, and is printed escaped.)"""
     from agl_common.control import resume
+    from agl_common.schemas import ReplicaStatus
 
-    await resume(store, model="[/]\x1b]8;;http://evil\x1b\\click", version=1)
+    with pytest.raises(ValueError, match="printable"):
+        await resume(store, model="[/]\x1b]8;;http://evil\x1b\\click", version=1)
+    await resume(store, model="[/]", version=1)
+    await store.heartbeat(ReplicaStatus(replica_id="gw1", model="m\x1b]8;;http://evil\x1b\\click"))
     env = {"AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix, "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
     out = subprocess.run([sys.executable, "-m", "agl_trainer", "gateway", "status"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "\x1b" not in out.stdout and "[/]\\x1b]8;;http://evil" in out.stdout
+    assert "\x1b" not in out.stdout and "[/]" in out.stdout and "m\\x1b]8;;http://evil" in out.stdout, out.stdout
 
 
 def test_a_policy_that_cannot_route_is_refused_when_made_and_when_read():
