@@ -490,7 +490,8 @@ def test_bad_headers_and_paths(env):
         (f"{gw}/rollouts/..%5Cr1/attempts/0/v1/chat/completions", {}, 400),
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 256}, 404),  # the longest id: a valid name
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "X-Junk": "j" * 8000}, 200),
-        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Content-Type": "text/plain"}, 415),  # round 6
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Content-Type": "text/plain"}, 200),
+        (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r1", "Origin": "http://evil.example"}, 403),  # round 7
     ]
     for url, headers, status in cases:
         resp = c.post(url, json=chat, headers=headers)

@@ -31,6 +31,14 @@ DROPPED = [
                                                                   "input": "x"}]}]}, "'input'"),
     ("messages", {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server"),
     ("messages", {"messages": "hi"}, "'messages'"),
+    # round 7: image sources LiteLLM cannot read, a tool_choice flag it drops, an empty turn it removes
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file",
+                                                                                        "file_id": "f1"}}]}]}, "source"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png"}}]}]}, "source"),
+    ("messages", {"messages": USER, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+                  "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "disable_parallel_tool_use"),
+    ("messages", {"messages": [*USER, {"role": "assistant", "content": []}, *USER]}, "empty"),
     ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("responses", {"input": "hi", "conversation": "conv_1"}, "conversation"),
     ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "server"),
@@ -637,20 +645,165 @@ def test_messages_export_writes_odd_tool_calls_in_one_shape(tmp_path):
     assert (tmp_path / "m.parquet").stat().st_size > 0
 
 
-async def test_a_gateway_without_a_key_takes_no_body_a_web_page_could_send_cross_site(store, redis_url, prefix,
-                                                                                    upstream):
-    """Round 6: a keyless gateway took ``Content-Type: text/plain`` (no CORS preflight): any web page open on the
-    machine could make model calls and post rewards."""
+async def test_a_gateway_without_a_key_takes_no_request_from_a_web_page(store, redis_url, prefix, upstream):
+    """Rounds 6 and 7: a keyless gateway took ``Content-Type: text/plain`` (no CORS preflight) and bodies with no
+    Content-Type at all (``fetch(..., {mode: "no-cors", body: blob})``, ``sendBeacon``): any web page open on the
+    machine could make model calls and post rewards. Browsers add ``Origin`` to every POST; agents' clients never."""
     await make_rollout(store, "r1")
     body = orjson.dumps({"model": "m", "messages": USER})
     with gateway(redis_url, prefix, upstream.url) as gw:
         async with httpx.AsyncClient(timeout=30) as c:
             base = f"{gw.url}/rollouts/r1/attempts/0"
-            for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                         "Text/Plain; charset=utf-8"):
+            for kind in ("text/plain", "application/x-www-form-urlencoded", None, "application/json"):
                 for route, raw in (("v1/chat/completions", body), ("reward", b'{"value": 1}')):
-                    r = await c.post(f"{base}/{route}", content=raw, headers={"Content-Type": kind})
-                    assert r.status_code == 415, (kind, route, r.status_code)
+                    headers = {"Origin": "http://evil.example", **({"Content-Type": kind} if kind else {})}
+                    r = await c.post(f"{base}/{route}", content=raw, headers=headers)
+                    assert r.status_code == 403 and r.json()["error"]["code"] == "browser_request", (kind, route)
             assert upstream.app.state.calls == [] and (await store.get_rollout("r1")).reward is None
-            ok = await c.post(f"{base}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
-            assert ok.status_code == 200
+            for kind in ("application/json", "text/plain", None):  # what agents' clients send
+                ok = await c.post(f"{base}/v1/chat/completions", content=body,
+                                  headers={"Content-Type": kind} if kind else {})
+                assert ok.status_code == 200, (kind, ok.text)
+    with gateway(redis_url, prefix, upstream.url, key="adminkey") as gw:  # with a key: browsers may call it
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", content=body,
+                             headers={"Origin": "http://app.example", "Authorization": "Bearer adminkey"})
+            assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------------------ round 7
+async def test_round7_gateway_edges(store, redis_url, prefix, upstream):
+    """Round 7: an answer the agent gave up on before it arrived was recorded ``ok`` (an SDK timeout then retried:
+    several ok records for one turn); an attempt at its record bound still had the engine generate (then 429, which
+    SDKs retry twice); with a key and ``--open`` a malformed call created its rollout; the synthesized Anthropic
+    stream turned a thinking block into an empty text block; calls in flight per attempt were unbounded."""
+    import asyncio
+
+    from agl_common.store import RolloutNotFound
+    from agl_gateway.gate import PauseGate, TooManyHeld
+    from agl_gateway.translate import anthropic_sse
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=0.5) as c:
+            try:
+                await _one(c, gw, {"x_delay": 1.5})
+            except httpx.TimeoutException:
+                pass
+        for _ in range(60):
+            if await store.read_calls("r1"):
+                break
+            await asyncio.sleep(0.1)
+        rec = await _last(store)
+        assert rec.status == "error" and "abandoned" in rec.error, rec
+    await make_rollout(store, "r2")
+    with gateway(redis_url, prefix, upstream.url, max_calls_per_attempt=2) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            codes = [(await _one(c, gw, rid="r2")).status_code for _ in range(4)]
+    assert codes == [200, 200, 403, 403] and len(upstream.app.state.calls) == 3  # (1 from r1, 2 from r2)
+    with gateway(redis_url, prefix, upstream.url, key="adminkey", open=True) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{gw.url}/rollouts/fresh/attempts/0/v1/chat/completions", content=b"{not json",
+                             headers={"Authorization": "Bearer adminkey"})
+            assert r.status_code == 400
+            try:
+                await store.get_rollout("fresh")
+                raise AssertionError("a malformed call created its rollout")
+            except RolloutNotFound:
+                pass
+            ok = await c.post(f"{gw.url}/rollouts/fresh/attempts/0/v1/chat/completions",
+                              json={"model": "m", "messages": USER}, headers={"Authorization": "Bearer adminkey"})
+            assert ok.status_code == 200 and (await store.get_rollout("fresh")).rollout_id == "fresh"
+    events = b"".join(anthropic_sse({"id": "m", "type": "message", "role": "assistant", "content": [
+        {"type": "thinking", "thinking": "3+4=7", "signature": "sig"}, {"type": "text", "text": "7"}],
+        "usage": {}}))
+    assert b'"content_block":{"type":"thinking"' in events and b'"thinking_delta"' in events
+    assert b'"signature_delta"' in events and b'"text_delta","text":""' not in events
+    gate = PauseGate(5.0, max_held_per_attempt=2)
+    assert [await gate.enter("r/0"), await gate.enter("r/0")] == [False, False]  # open gate: in flight
+    try:
+        await gate.enter("r/0")
+        raise AssertionError("a third call in flight was let through")
+    except TooManyHeld:
+        pass
+    gate.leave("r/0")
+    assert await gate.enter("r/0") is False
+
+
+async def test_round7_controller_edges(store, redis_url, prefix, tmp_path, monkeypatch):
+    """Round 7: a newcomer with a shorter ``--lease-ttl`` took a live id's claims; a stop while the judge scored a
+    finished run left it running (then ``controller_lost``); a ``--preload`` module that raises on import left every
+    rollout running for ever; a hashed log name could be another id's plain one; ``--reward-fn-always`` kept the
+    harness's reward message; ``--gateway http://h/v1`` and a YAML ``gateway_url`` without a scheme failed every run
+    as the agent's fault."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    import pytest
+    from agl_common.schemas import Rollout, RolloutStatus, check_rollout_id
+    from agl_controller import LocalRunner
+    from agl_controller.base import ControllerIdLive, Runner
+    from agl_controller.local import log_name
+    from agl_controller.spawn import LaunchError, Launcher
+    from agl_gateway import GatewaySettings, create_app
+    from agl_trainer.config import TrainConfig
+    from fakes import Served, fake_upstream
+    from test_controller import HARNESS
+
+    live = Runner(store, controller_id="ctl-z", lease_ttl_s=3.0)
+    stop = asyncio.Event()
+    renewing = asyncio.create_task(live.lease_loop(stop))
+    while await store.lease_of("ctl-z") is None:
+        await asyncio.sleep(0.02)
+    try:
+        with pytest.raises(ControllerIdLive):
+            await Runner(store, controller_id="ctl-z", lease_ttl_s=0.2).take_lease()
+    finally:
+        stop.set()
+        await renewing
+
+    hashed = log_name("L" * 250, "0")
+    assert "+" in hashed and len(hashed) < 200
+    with pytest.raises(ValueError):  # no rollout id can spell the hashed form (a "+" is no id's character)
+        check_rollout_id(hashed.removesuffix(".0.log"))
+
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('needs a GPU')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(LaunchError, match="needs a GPU"):
+        Launcher([sys.executable, "x.py"], ["raises_on_import"])
+    from agl_controller.base import load_reward_fn
+    with pytest.raises(ValueError, match="RuntimeError"):
+        load_reward_fn("raises_on_import:f")
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    with Served(fake_upstream()) as up, Served(create_app(GatewaySettings(
+            upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y"))) as gw:
+        runner = LocalRunner(store, gw.url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs",
+                             reward_fn="rewards:zero", reward_fn_always=True)
+        await store.create_rollout(Rollout(rollout_id="msg", input={"calls": 1, "reward": 1e6}))
+        await runner.run_one(await store.pop_queued())
+        r = await store.get_rollout("msg")
+        assert (r.reward, r.reward_message) == (0.0, None)
+        # a stop while the judge scores: the attempt is handed back, not left running
+        slow = LocalRunner(store, gw.url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs",
+                           reward_fn="rewards:slow")
+        await store.create_rollout(Rollout(rollout_id="judged", input={"calls": 1, "judge_s": 30}))
+        task = asyncio.create_task(slow.run_one(await store.pop_queued()))
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if await store.read_calls("judged") and (await store.get_rollout("judged")).status == "running":
+                if not slow._procs:
+                    break
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        r = await store.get_rollout("judged")
+        assert (r.status, r.attempt_id) == (RolloutStatus.queuing, "1"), r
+    for args in (("--gateway", "http://127.0.0.1:8080/v1"), ("--gateway", "http://127.0.0.1:8080?x=1")):
+        res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, "--command", "python x.py", *args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-300:])
+    for bad in ({"gateway_url": "127.0.0.1:8080"}, {"gateway_url": "http://h/v1"}, {"rollout_timeout_s": 1e300}):
+        with pytest.raises(ValueError):
+            TrainConfig(**bad)

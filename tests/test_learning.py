@@ -161,7 +161,7 @@ def test_launcher_runs_each_attempt_as_its_own_process(tmp_path, preload):
 def test_launcher_refuses_what_it_cannot_fork(tmp_path):
     from agl_controller.spawn import LaunchError, Launcher
 
-    with pytest.raises(LaunchError, match="no module named no_such_module_xyz"):
+    with pytest.raises(LaunchError, match="no_such_module_xyz"):
         Launcher([sys.executable, "agent.py"], ["no_such_module_xyz"])
     with pytest.raises(LaunchError, match="same interpreter"):
         Launcher(["/usr/bin/python3", "agent.py"], ["json"])

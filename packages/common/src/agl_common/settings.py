@@ -69,6 +69,20 @@ def engine_base_urls(value: str) -> list[str]:
     return [check_http_url(url, "engine URL") for url in urls]
 
 
+def check_gateway_url(url: str, what: str = "gateway URL") -> str:
+    """``url`` if it can be the gateway's base URL (what each harness's ``/rollouts/{id}/attempts/{n}/v1`` URLs are
+    built on): :func:`check_http_url`, no query or fragment, not ending in ``/v1`` (that is a harness's base URL,
+    not the gateway's); else ``ValueError``."""
+    check_http_url(url, what)
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or url.endswith("#") or url.endswith("?"):
+        raise ValueError(f"{what} {redacted_url(url)!r} must have no ?query or #fragment")
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"{what} {redacted_url(url)!r} is the gateway's base URL, without /v1 "
+                         "(http://host:port): each harness's .../v1 URL is built on it")
+    return url
+
+
 def check_http_url(url: str, what: str = "URL") -> str:
     """``url`` if it is ``http(s)://host[:port][/path]``; else ``ValueError`` naming ``what`` (an engine's or the
     gateway's URL: a typo there fails every later call, or every harness run, as something else)."""

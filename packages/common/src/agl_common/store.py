@@ -511,6 +511,14 @@ class Store:
             return self._written(self._replicated(seq, acked, keys[1]), rollout_id, attempt_id)
         return self._written(await self._record_and_wait_cluster(keys, args), rollout_id, attempt_id)
 
+    async def attempt_usage(self, rollout_id: str, attempt_id: str) -> tuple[int, int]:
+        """``(records, record bytes)`` one attempt holds (what the record script bounds)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.rollout_key("seq", rollout_id, attempt_id))
+        pipe.hget(self.rollout_key("tokens", rollout_id, attempt_id), "_bytes")
+        calls, size = await pipe.execute()
+        return int(calls or 0), int(size or 0)
+
     @staticmethod
     def _written(seq: Any, rollout_id: str, attempt_id: str) -> int:
         """The record script's answer as a ``seq``; raises :class:`RecordRefused` for a refusal."""
@@ -749,10 +757,14 @@ class Store:
         pipe.sadd(self.key("controllers"), controller_id)
         await pipe.execute()
 
-    async def lease_of(self, controller_id: str) -> str | None:
-        """The controller's lease as last renewed (its Unix time, as text), or None once it expired."""
-        raw = await self.r.get(self.key("controller", controller_id))
-        return None if raw is None else raw.decode()
+    async def lease_of(self, controller_id: str) -> tuple[str, float] | None:
+        """The controller's lease: ``(its last renewal's Unix time as text, seconds until it expires)``, or None
+        once it expired."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.key("controller", controller_id))
+        pipe.pttl(self.key("controller", controller_id))
+        raw, pttl = await pipe.execute()
+        return None if raw is None or pttl < 0 else (raw.decode(), pttl / 1000)
 
     async def drop_lease(self, controller_id: str) -> None:
         """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""

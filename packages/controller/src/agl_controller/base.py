@@ -110,9 +110,11 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not module or not name:
         raise ValueError(f"reward function must be 'module:function', got {spec!r}")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({exc})") from None
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - ImportError, a SyntaxError, whatever its import raises
+        raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
+    try:
+        fn = getattr(mod, name)
     except AttributeError:
         raise ValueError(f"reward function {spec!r}: module {module!r} has no {name!r}") from None
     if not callable(fn):
@@ -170,19 +172,19 @@ class Runner:
     async def take_lease(self) -> None:
         """Take this controller id's lease and adopt leftover claims (the start of ``run_forever``).
 
-        A lease of this id left by an earlier run (a crash) is waited for until it expires (at most
-        ``lease_ttl_s``); one that is renewed meanwhile belongs to a live controller running under the same id,
-        whose work adopting would kill: raises :class:`ControllerIdLive`.
+        A lease of this id left by an earlier run (a crash) is waited for until it expires (its own remaining
+        life, whatever this controller's ``lease_ttl_s``); one that is renewed meanwhile belongs to a live
+        controller running under the same id, whose work adopting would kill: raises :class:`ControllerIdLive`.
         """
-        seen = await self.store.lease_of(self.controller_id)
-        deadline = time.monotonic() + self.lease_ttl_s + 1
-        while seen is not None and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.5, self.lease_ttl_s / 6))
+        lease = await self.store.lease_of(self.controller_id)
+        deadline = time.monotonic() + (lease[1] if lease else 0) + 0.5
+        while lease is not None and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.5, max(0.05, lease[1] / 6)))
             now = await self.store.lease_of(self.controller_id)
-            if now is not None and now != seen:
+            if now is not None and now[0] != lease[0]:
                 raise ControllerIdLive(f"controller id {self.controller_id!r} is live: another controller renews "
                                        "its lease; give this one another --controller-id (or stop the other)")
-            seen = now
+            lease = now
         await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
         await self.reconcile_claims(startup=True)
 
@@ -325,13 +327,15 @@ class Runner:
                 log.warning("reward function failed on %s: %r", rollout_id, exc)
                 failure = "reward_error"
             else:
+                posted_message = rollout.reward_message
+
                 def set_reward(r: Rollout) -> None:
                     current(r)
-                    r.reward = value
+                    r.reward, r.reward_message = value, None  # a posted message goes with the posted value
                 rollout = await self.store.update_rollout(rollout_id, set_reward)
                 if posted is not None:
                     await self.store.add_event(rollout_id, attempt_id, "reward_replaced",
-                                               {"posted": posted, "reward_fn": value})
+                                               {"posted": posted, "message": posted_message, "reward_fn": value})
         if failure is None and rollout.reward is None:
             failure = "no_reward"
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:

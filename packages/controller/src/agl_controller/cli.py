@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_http_url, check_prefix
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
@@ -83,7 +83,7 @@ def run(
         check_retry_on(retry)
         check_prefix(prefix)
         check_redis_url(redis)
-        check_http_url(gateway, "--gateway")
+        check_gateway_url(gateway, "--gateway")
         if command:
             shlex.split(command)  # an unclosed quote: ValueError
         if reward_fn:

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agl_common.auth import scoped_key
-from agl_common.schemas import Rollout
+from agl_common.schemas import Rollout, RolloutStatus
 from agl_common.settings import check_env_names
 from agl_common.store import Store
 
@@ -109,12 +109,13 @@ LOG_NAME_MAX = 200
 
 def log_name(rollout_id: str, attempt_id: str) -> str:
     """The file name of an attempt's log: ``{rollout}.{attempt}.log``, or for an id too long for a file name its
-    first 150 characters, ``~`` and 16 hex digits of its SHA-256 (``{head}~{hash}.{attempt}.log``)."""
+    first 150 characters, ``+`` and 16 hex digits of its SHA-256 (``{head}+{hash}.{attempt}.log``: no rollout id
+    holds ``+``, so no other id's plain name is the same file)."""
     name = f"{rollout_id}.{attempt_id}.log"
     if len(name) <= LOG_NAME_MAX:
         return name
     digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:16]
-    return f"{rollout_id[:150]}~{digest}.{attempt_id}.log"
+    return f"{rollout_id[:150]}+{digest}.{attempt_id}.log"
 
 
 class LocalRunner(Runner):
@@ -230,8 +231,12 @@ class LocalRunner(Runner):
     async def _guarded(self, rollout_id: str) -> None:
         try:
             await self.run_one(rollout_id)
-        except Exception:
-            log.exception("run of rollout %s failed unexpectedly", rollout_id)
+        except Exception:  # a bug: never leave a claimed rollout running on a live controller (nobody adopts it)
+            log.exception("run of rollout %s failed unexpectedly; ending it as controller_error", rollout_id)
+            with contextlib.suppress(Exception):
+                rollout = await self.store.get_rollout(rollout_id)
+                if rollout.status == RolloutStatus.running:
+                    await self.finish_attempt(rollout_id, rollout.attempt_id, "controller_error", check_calls=False)
         finally:
             self._sem.release()
 
@@ -252,8 +257,9 @@ class LocalRunner(Runner):
         failure: str | None = None
         try:
             proc = await self.launcher.start(env, self.cwd, log_path)
-        except (OSError, ValueError) as exc:  # ValueError: an environment that cannot be one (NUL, "=" in a name)
-            log.warning("cannot start %s: %s", self.command, exc)
+        except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
+            # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
+            log.warning("cannot start %s: %r", self.command, exc)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
         self._procs[rollout_id] = proc
         t0 = time.monotonic()
@@ -277,4 +283,8 @@ class LocalRunner(Runner):
             # 1 or 143), the run was cut short by us, not by the agent
             self._interrupted.discard(rollout_id)
             return await self.hand_back(rollout_id, aid, failure or "interrupted")
-        return await self.finish_attempt(rollout_id, aid, failure)
+        try:
+            return await self.finish_attempt(rollout_id, aid, failure)
+        except asyncio.CancelledError:  # a shutdown while its outcome was written (a slow judge): hand it back
+            await asyncio.shield(self.hand_back(rollout_id, aid, "interrupted"))
+            raise

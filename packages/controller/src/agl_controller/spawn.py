@@ -143,11 +143,13 @@ class Launcher:
                     resolved.resolve() != Path(sys.executable).resolve():
                 raise LaunchError(f"preload forks this controller's Python ({sys.executable}); the command runs "
                                   f"{exe}: use the same interpreter or drop --preload")
-            import importlib.util
+            import importlib
 
-            missing = [m for m in self.preload if importlib.util.find_spec(m) is None]
-            if missing:  # the forkserver would skip them silently
-                raise LaunchError(f"preload: no module named {', '.join(missing)}")
+            for module in self.preload:  # imported here first: the forkserver skips an ImportError silently and
+                try:  # dies of anything else, and every later start would fail
+                    importlib.import_module(module)
+                except Exception as exc:  # noqa: BLE001 - ImportError, SyntaxError, whatever its import raises
+                    raise LaunchError(f"preload: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
             self._ctx = multiprocessing.get_context("forkserver")
             self._ctx.set_forkserver_preload([__name__, *self.preload])
         self._env = env

@@ -12,19 +12,14 @@ from starlette.requests import ClientDisconnect
 from .errors import ApiError, bad_request
 
 
-#: The content types a web page may POST cross-site without asking first (CORS "simple" requests): a gateway
-#: without a key refuses them, so that a page open in a browser on the same machine cannot call it or post rewards.
-SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
-
-
 async def read_json(request: Request, max_bytes: int, keyless: bool = False) -> dict[str, Any]:
-    """The request body as a JSON object. Raises ``ApiError`` 413 (over ``max_bytes`` bytes), 415 (``keyless``: a
-    content type of :data:`SIMPLE_CONTENT_TYPES`) or 400 (not a JSON object, nested deeper than
-    :data:`MAX_JSON_DEPTH`, or the agent went away mid-body)."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if keyless and kind in SIMPLE_CONTENT_TYPES:
-        raise ApiError(415, f"content type {kind} is not taken by a gateway without a key (a web page could send "
-                       "it): send Content-Type: application/json", "invalid_request_error", "unsupported_media_type")
+    """The request body as a JSON object. Raises ``ApiError`` 413 (over ``max_bytes`` bytes), 403 (``keyless``: a
+    request carrying ``Origin``, which browsers add to every POST and no agent's HTTP client sends: a web page open
+    on the machine must not call a gateway that checks no key, cross-site or after a DNS rebinding) or 400 (not a
+    JSON object, nested deeper than :data:`MAX_JSON_DEPTH`, or the agent went away mid-body)."""
+    if keyless and request.headers.get("origin") is not None:
+        raise ApiError(403, "a gateway without a key takes no request from a web page (Origin header); give it a key "
+                       "(--key) to serve browsers", "permission_error", "browser_request")
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > max_bytes:
         raise ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error", "body_too_large")

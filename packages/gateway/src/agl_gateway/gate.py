@@ -20,7 +20,7 @@ class GateClosed(Exception):
 
 
 class TooManyHeld(Exception):
-    """One rollout attempt already has ``max_held_per_attempt`` calls held by the pause."""
+    """One rollout attempt already has ``max_held_per_attempt`` calls held by the pause or in flight."""
 
 
 class PauseGate:
@@ -29,8 +29,8 @@ class PauseGate:
     Args:
         max_hold_s: longest a call may wait for resume before :class:`HeldTooLong` (seconds).
         on_change: called (synchronously) whenever paused / in-flight / drained state changes.
-        max_held_per_attempt: most calls of one rollout attempt held at once (each holds its request body in
-            memory: one harness must not park any number of them); beyond, :class:`TooManyHeld`.
+        max_held_per_attempt: most calls of one rollout attempt held or in flight at once (each holds its
+            request body in memory: one harness must not park any number of them); beyond, :class:`TooManyHeld`.
     """
 
     def __init__(self, max_hold_s: float, on_change: Callable[[], None] | None = None,
@@ -79,19 +79,19 @@ class PauseGate:
 
     async def enter(self, who: str = "") -> bool:
         """Wait while paused (re-checking after every wake-up), then count the call as in flight; ``who``: the
-        calling attempt (its held calls are counted). Returns whether the call was held.
+        calling attempt (its calls held or in flight are counted). Returns whether the call was held.
 
         Raises :class:`HeldTooLong` after ``max_hold_s`` seconds of waiting, :class:`GateClosed` once
-        :meth:`close` was called, :class:`TooManyHeld` if ``who`` has ``max_held_per_attempt`` calls held
-        already. Pair with :meth:`leave`.
+        :meth:`close` was called, :class:`TooManyHeld` if ``who`` has ``max_held_per_attempt`` calls held or in
+        flight already. Pair with :meth:`leave` (same ``who``).
         """
         if self.closed:
             raise GateClosed()
+        if self._held_by.get(who, 0) >= self.max_held_per_attempt:
+            raise TooManyHeld()
+        self._held_by[who] = self._held_by.get(who, 0) + 1  # until leave(who), or a failure to enter
         held = self.paused
         if held:
-            if self._held_by.get(who, 0) >= self.max_held_per_attempt:
-                raise TooManyHeld()
-            self._held_by[who] = self._held_by.get(who, 0) + 1
             self.held += 1
             deadline = time.monotonic() + self.max_hold_s
             try:
@@ -103,18 +103,26 @@ class PauseGate:
                         await asyncio.wait_for(self._open.wait(), timeout=remaining)
                     except TimeoutError:
                         raise HeldTooLong() from None
+            except BaseException:
+                self._release(who)
+                raise
             finally:
                 self.held -= 1
-                self._held_by[who] -= 1
-                if not self._held_by[who]:
-                    del self._held_by[who]
             if self.closed:
+                self._release(who)
                 raise GateClosed()
         self.in_flight += 1
         return held
 
-    def leave(self) -> None:
-        """The call is over (answered, failed or its stream closed); acknowledge a pending drain."""
+    def _release(self, who: str) -> None:
+        self._held_by[who] -= 1
+        if not self._held_by[who]:
+            del self._held_by[who]
+
+    def leave(self, who: str = "") -> None:
+        """The call of attempt ``who`` is over (answered, failed or its stream closed); acknowledge a pending
+        drain."""
+        self._release(who)
         self.in_flight -= 1
         if self.paused and self.in_flight == 0 and self.drained_ids != self.pause_ids:
             self.drained_ids = self.pause_ids

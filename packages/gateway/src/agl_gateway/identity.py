@@ -155,7 +155,12 @@ async def caller_and_body(request: Request, st: GatewayState, create: bool = Tru
     buffered for it); open (``--open``), the body first, so that a rollout is created only for a well-formed
     call. Raises ``ApiError`` as :func:`resolve_identity` and :func:`agl_gateway.body.read_json` do."""
     if st.settings.key:
-        ident = await resolve_identity(request, st, create)
-        return ident, await read_json(request, st.settings.max_body_bytes)
+        try:  # the key is checked here; a rollout to create (--open) waits for a well-formed body
+            return await resolve_identity(request, st, create=False), await read_json(request, st.settings.max_body_bytes)
+        except ApiError as err:
+            if not (create and st.settings.open and err.code == "rollout_not_found"):
+                raise
+        body = await read_json(request, st.settings.max_body_bytes)
+        return await resolve_identity(request, st, create), body
     body = await read_json(request, st.settings.max_body_bytes, keyless=True)
     return await resolve_identity(request, st, create), body

@@ -37,7 +37,7 @@ from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, cap
 from .errors import ApiError, bad_request, store_down
 from .gate import GateClosed, HeldTooLong, TooManyHeld
 from .identity import Identity, caller_and_body, check_callable, header
-from .recording import fill, new_record, observe, write, write_failure
+from .recording import check_room, fill, new_record, observe, write, write_failure
 from .state import GatewayState, state_of
 from .streaming import DONE, LiveRelay, RelayResponse, read_stream
 from .upstream import call_json, current_policy
@@ -76,9 +76,8 @@ async def enter_gate(st: GatewayState, who: str = "") -> bool:
     try:
         return await st.gate.enter(who)
     except TooManyHeld:
-        raise ApiError(503, f"gateway paused for a weight update; this attempt has "
-                       f"{st.gate.max_held_per_attempt} calls held already", "server_error", "paused",
-                       {"Retry-After": "5"}) from None
+        raise ApiError(503, f"this attempt has {st.gate.max_held_per_attempt} calls held or in flight already",
+                       "server_error", "too_many_in_flight", {"Retry-After": "5"}) from None
     except HeldTooLong:
         raise ApiError(503, f"gateway paused for a weight update; call held over {st.settings.max_hold:g} s",
                        "server_error", "paused", {"Retry-After": "5"}) from None
@@ -205,11 +204,13 @@ class Call:
         waited = 0.0  # seconds held by a pause or spent on aborted tries: not added by the gateway
         for _ in range(MAX_ABORT_RETRIES):
             t_gate = time.perf_counter()
-            held = await enter_gate(st, f"{self.ident.rollout_id}/{self.ident.attempt_id}")
+            who = f"{self.ident.rollout_id}/{self.ident.attempt_id}"
+            held = await enter_gate(st, who)
             waited += time.perf_counter() - t_gate
             try:
                 if held:  # minutes may have passed: the rollout may have ended, the agent may have left
                     await self._still_wanted(relay)
+                await check_room(st, self.ident.rollout_id, self.ident.attempt_id)
                 policy = await current_policy(st)
                 role, served = route(policy, self.body, self.role)
                 rec = new_record(self.ident.rollout_id, self.ident.attempt_id, self.spec.route, self.body, policy,
@@ -242,13 +243,16 @@ class Call:
                     await write(st, rec)
                     relay.fail(aborted)
                     return None
-                fill(rec, cap, answer, t0)
+                gone = relay is None and self.disconnected is not None and await self.disconnected()
+                # an answer the agent never received is not part of its trajectory (an SDK timeout then retries:
+                # two ok records for one turn): kept, as an error (a live stream's agent leaving: see _stream)
+                fill(rec, cap, answer, t0, error="abandoned: the agent went away before its answer" if gone else None)
                 await write(st, rec)
                 observe(st, rec)
                 st.metrics.route(st.metrics.added_seconds, self.spec.route).observe(
                     time.perf_counter() - self.t_call - waited - upstream_s)
             finally:
-                st.gate.leave()
+                st.gate.leave(who)
             if relay is not None:
                 relay.end(tail + [DONE])
             return out

@@ -53,8 +53,9 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
 _REFUSED = {"rollout_not_found": (404, "not_found_error", "is gone"),
             "stale_attempt": (409, "conflict_error", "was retried: this attempt is over"),
             "rollout_finished": (409, "conflict_error", "has finished"),
-            "too_many_calls": (429, "rate_limit_error", "attempt holds the most call records it may"),
-            "too_many_bytes": (429, "rate_limit_error", "attempt holds the most call record bytes it may")}
+            # 403, not 429: SDKs retry a 429 (each retry a generation thrown away); this attempt may make no more
+            "too_many_calls": (403, "permission_error", "attempt holds the most call records it may"),
+            "too_many_bytes": (403, "permission_error", "attempt holds the most call record bytes it may")}
 
 
 def refused(exc: RecordRefused) -> ApiError:
@@ -66,7 +67,7 @@ def refused(exc: RecordRefused) -> ApiError:
 async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     """Write the record to Redis (before the agent gets its answer); ``ApiError`` 503 if Redis does not
     acknowledge it, 404/409 if the rollout is gone, finished or on another attempt by now (a call held by a
-    pause, or in flight, while it ended), 429 once the attempt holds its most calls or bytes.
+    pause, or in flight, while it ended), 403 once the attempt holds its most calls or bytes.
 
     One ``orjson.dumps`` of the :func:`new_record` dict gives the :class:`CallRecord` JSON (same fields,
     same order, ``"seq":-1`` third, replaced by the store's script), without building the model.
@@ -109,3 +110,16 @@ def observe(st: GatewayState, rec: dict[str, Any]) -> None:
     m.route(m.upstream_seconds, rec["route"]).observe(rec["latency_ms"] / 1000)
     m.tokens_in.inc(len(rec["prompt_token_ids"]))
     m.tokens_out.inc(len(rec["response_token_ids"]))
+
+
+async def check_room(st: GatewayState, rollout_id: str, attempt_id: str) -> None:
+    """``ApiError`` 403 if the attempt holds its most records or record bytes already (checked before the call is
+    forwarded: the engine is not asked for an answer that could not be recorded), 503 if Redis is down."""
+    try:
+        calls, size = await st.store.attempt_usage(rollout_id, attempt_id)
+    except RedisError:
+        raise store_down() from None
+    if calls >= st.settings.max_calls_per_attempt:
+        raise refused(RecordRefused("too_many_calls", rollout_id, attempt_id))
+    if size >= st.settings.max_record_bytes_per_attempt:
+        raise refused(RecordRefused("too_many_bytes", rollout_id, attempt_id))

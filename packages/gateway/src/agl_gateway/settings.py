@@ -25,9 +25,9 @@ class GatewaySettings(CommonSettings):
     max_hold: float = Field(default=600.0, ge=0, allow_inf_nan=False)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     max_calls_per_attempt: int = Field(default=CALLS_PER_ATTEMPT_MAX, ge=1, description=(
-        "model calls one attempt of a rollout may record; beyond: 429 too_many_calls"))
+        "model calls one attempt of a rollout may record; beyond: 403 too_many_calls (nothing forwarded)"))
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
-        "bytes the call records of one attempt may hold in Redis; beyond: 429 too_many_bytes (a harness "
+        "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
     upstream_timeout_s: float = 600.0
     heartbeat_s: float = 1.0

@@ -157,6 +157,17 @@ def _check_blocks(blocks: Any, allowed: tuple[str, ...], what: str, where: str) 
         _check_fields(block, kind, what, at)
         if kind == "tool_result" and "content" in block:
             _check_blocks(block["content"], _TOOL_RESULT_BLOCKS, what, f"{at} content")
+        if kind == "image":
+            _check_image_source(block["source"], what, at)
+
+
+def _check_image_source(source: dict, what: str, where: str) -> None:
+    """An Anthropic image source LiteLLM turns into an image URL: ``base64`` with ``media_type`` and ``data``, or
+    ``url`` with ``url`` (a Files API ``file`` source, or one missing its data, was dropped without a word)."""
+    need = {"base64": ("media_type", "data"), "url": ("url",)}.get(source.get("type"))
+    if need is None or not all(isinstance(source.get(k), str) and source.get(k) for k in need):
+        raise _refuse(what, f"{where} source", f"must be base64 (media_type, data) or url (url), got "
+                      f"{source.get('type')!r:.20}: other image sources are not translated")
 
 
 def check_anthropic(body: dict[str, Any]) -> None:
@@ -173,10 +184,16 @@ def check_anthropic(body: dict[str, Any]) -> None:
         if role not in _ANTHROPIC_BLOCKS:
             raise _refuse(what, f"message {i}", f"has role {role!r:.40}; expected one of user, assistant")
         _check_blocks(turn.get("content"), _ANTHROPIC_BLOCKS[role], what, f"message {i} content")
+        if turn.get("content") == [] and i < len(messages) - 1:  # (LiteLLM drops it: two turns of one role follow)
+            raise _refuse(what, f"message {i} content", "is empty")
     if "system" in body and body["system"] is not None:
         _check_blocks(body["system"], ("text",), what, "'system'")
     _check_tools(body.get("tools"), what, lambda tool: tool.get("type", "custom") == "custom"
                  and isinstance(tool.get("name"), str))
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):  # LiteLLM drops the flag
+        raise _refuse(what, "'tool_choice'", "disable_parallel_tool_use is not translated (the engine would make "
+                      "parallel tool calls anyway)")
 
 
 def check_responses(body: dict[str, Any]) -> None:
@@ -251,7 +268,8 @@ def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str,
 
 
 def anthropic_sse(message: dict[str, Any], body: dict[str, Any] | None = None) -> Iterator[bytes]:
-    """The Anthropic streaming events of a complete ``message`` (text and tool_use blocks)."""
+    """The Anthropic streaming events of a complete ``message`` (text, tool_use, thinking and redacted_thinking
+    blocks, each as Anthropic streams it)."""
 
     def event(name: str, data: dict) -> bytes:
         return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
@@ -266,6 +284,16 @@ def anthropic_sse(message: dict[str, Any], body: dict[str, Any] | None = None) -
                                                 "content_block": {**block, "input": {}}})
             yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
                 "type": "input_json_delta", "partial_json": orjson.dumps(block.get("input") or {}).decode()}})
+        elif block.get("type") == "thinking":  # as the complete answer holds it, not as an empty text block
+            yield event("content_block_start", {"type": "content_block_start", "index": i,
+                                                "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "thinking_delta", "thinking": block.get("thinking") or ""}})
+            if block.get("signature"):
+                yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                    "type": "signature_delta", "signature": block["signature"]}})
+        elif block.get("type") == "redacted_thinking":
+            yield event("content_block_start", {"type": "content_block_start", "index": i, "content_block": block})
         else:
             yield event("content_block_start", {"type": "content_block_start", "index": i,
                                                 "content_block": {"type": "text", "text": ""}})

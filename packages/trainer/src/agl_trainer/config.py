@@ -14,8 +14,8 @@ from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name, check_served_name
-from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_prefix, engine_base_urls,
-                                 redacted_url, redacted_urls)
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_gateway_url, check_prefix,
+                                 engine_base_urls, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -85,7 +85,7 @@ class TrainConfig(BaseModel):
     active_groups: int | None = Field(None, ge=1, le=4096, description="groups in flight; more than groups_per_step = "
                                       "collocated async RL (None: synchronous)")
     max_staleness: int = Field(1, ge=0, description="async: drop a group created more than this many versions ago")
-    rollout_timeout_s: float = Field(180.0, gt=0)
+    rollout_timeout_s: float = Field(180.0, gt=0, le=10**7)  # (the controller's --timeout bound)
     # algorithm
     aggregation: Literal["trajectory", "transition"] = "trajectory"
     advantage: Literal["grpo", "rloo"] = Field(
@@ -261,6 +261,11 @@ class TrainConfig(BaseModel):
     @classmethod
     def _prefix(cls, v: str) -> str:
         return check_prefix(v)
+
+    @field_validator("gateway_url")
+    @classmethod
+    def _gateway_url(cls, v: str | None) -> str | None:
+        return None if v is None else check_gateway_url(v)
 
     @field_validator("engine_url")
     @classmethod
