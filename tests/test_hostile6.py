@@ -807,3 +807,45 @@ async def test_round7_controller_edges(store, redis_url, prefix, tmp_path, monke
     for bad in ({"gateway_url": "127.0.0.1:8080"}, {"gateway_url": "http://h/v1"}, {"rollout_timeout_s": 1e300}):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
+
+
+def test_round7_cli_edges(redis_url, prefix, tmp_path):
+    """Round 7: a reward module imported by the start-up check (and any process it starts then) still had the admin
+    key and Redis URL in its environment; ``--dry-run`` in local mode was ignored (the controller took the queue);
+    an unusable ``--log-dir``, a template that does not parse, no cluster in k8s mode, ``demo --prefix 'a{b'``
+    were tracebacks (or every rollout a template_error); ``rollouts show --config`` of a run's config.json was
+    refused on a Redis with a password even with ``--redis``; a 200k-character served name passed."""
+    import json
+
+    import pytest
+    from agl_common.schemas import check_served_name
+
+    (tmp_path / "judge_env.py").write_text(
+        "import os, pathlib\npathlib.Path(os.environ['ENV_OUT']).write_text(repr(os.environ.get('AGL_KEY')))\n"
+        "def judge(i, o):\n    return 0.0\n")
+    out = tmp_path / "env.txt"
+    res = _cli("agl_controller", "run", "--redis", "redis://127.0.0.1:9/0", "--command", "python x.py",
+               "--reward-fn", "judge_env:judge", env={"AGL_KEY": "s3cret-admin", "ENV_OUT": str(out),
+                                                      "PYTHONPATH": f"{tmp_path}:" + __import__("os").environ.get(
+                                                          "PYTHONPATH", "")})
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-300:]
+    assert out.read_text() == "None"
+    bad_template = tmp_path / "job.j2"
+    bad_template.write_text("spec: {{ input.x \n")
+    (tmp_path / "file").write_text("x")
+    for args in (("--command", "python x.py", "--dry-run"), ("--command", "python x.py", "--log-dir",
+                                                              str(tmp_path / "file" / "logs")),
+                 ("--mode", "k8s", "--template", str(bad_template)),
+                 ("--mode", "k8s", "--template", str(bad_template).replace("job.j2", "file"))):
+        res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, *args,
+                   env={"KUBECONFIG": str(tmp_path / "none"), "HOME": str(tmp_path)}, timeout=60)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.returncode, res.stderr[-400:])
+    res = _cli("agl_trainer", "demo", "--prefix", "a{b")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-300:]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"redis_url": "redis://:***@127.0.0.1:6379/0"}))
+    res = _cli("agl_trainer", "rollouts", "show", "nobody", "--config", str(config), "--redis", redis_url,
+               "--prefix", prefix)
+    assert "***" not in res.stderr and "password" not in res.stderr, res.stderr[-300:]
+    with pytest.raises(ValueError):
+        check_served_name("m" * 257)

@@ -367,9 +367,9 @@ class UnknownRole(ValueError):
 
 def check_served_name(name: str) -> str:
     """``name`` if it can be a served model name (what every replica routes calls to, shown on every status
-    line): non-empty, printable (no terminal escapes), no spaces around; else ``ValueError``."""
-    if not name or not name.isprintable() or name != name.strip():
-        raise ValueError(f"served model name {name[:80]!r}: non-empty, printable characters, no spaces around")
+    line): 1 to 256 printable characters (no terminal escapes), no spaces around; else ``ValueError``."""
+    if not name or len(name) > 256 or not name.isprintable() or name != name.strip():
+        raise ValueError(f"served model name {name[:80]!r}: 1-256 printable characters, no spaces around")
     return name
 
 

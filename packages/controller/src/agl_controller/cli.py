@@ -10,9 +10,12 @@ import os
 import shlex
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
+import jinja2
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
@@ -78,6 +81,11 @@ def run(
     from agl_common.store import Store, check_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # the admin key and the Redis URL (with its password) live on in this process's memory only (read into the
+    # options above): no child (a harness, a forkserver started again, a process a reward or preload module starts
+    # when it is imported by the checks below) inherits them from the environment
+    for name in NEVER_PASSED:
+        os.environ.pop(name, None)
     retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
     try:  # checked before anything starts: a bad option is a usage error (exit 2), not a traceback
         check_retry_on(retry)
@@ -103,6 +111,15 @@ def run(
         if not command:
             typer.echo("--command is required in local mode", err=True)
             raise typer.Exit(2)
+        if dry_run:
+            typer.echo("--dry-run renders Kubernetes Jobs: it needs --mode k8s (a local run would take the queue)",
+                       err=True)
+            raise typer.Exit(2)
+        try:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            typer.echo(f"--log-dir {log_dir}: {exc.strerror or exc}", err=True)
+            raise typer.Exit(2) from None
         from .local import passed_env
         from .spawn import LaunchError, Launcher
 
@@ -127,6 +144,11 @@ def run(
         except (OSError, UnicodeDecodeError) as exc:
             typer.echo(f"--template {template}: {exc}", err=True)
             raise typer.Exit(2) from None
+        try:  # a template that does not parse would fail every rollout as template_error
+            ImmutableSandboxedEnvironment().parse(template_text)
+        except jinja2.TemplateSyntaxError as exc:
+            typer.echo(f"--template {template}: line {exc.lineno}: {exc.message}", err=True)
+            raise typer.Exit(2) from None
         if dry_run:
             with one_line_errors():
                 code = _dry_run(template_text, gateway, model, key, namespace, ttl_after_finished, timeout,
@@ -135,11 +157,6 @@ def run(
     else:
         typer.echo(f"unknown mode {mode!r}: use local or k8s", err=True)
         raise typer.Exit(2)
-
-    # the admin key and the Redis URL (with its password) live on in this process's memory only: no child (a
-    # harness, a forkserver started again, a reward function's subprocess) inherits them from the environment
-    for name in NEVER_PASSED:
-        os.environ.pop(name, None)
 
     async def main() -> None:
         store = Store(redis, prefix)
@@ -151,10 +168,14 @@ def run(
         else:
             from .k8s import K8sRunner, load_api_client
 
+            try:
+                api_client = load_api_client()
+            except Exception as exc:  # noqa: BLE001 - no in-cluster account and no usable kubeconfig
+                raise NoCluster(f"no Kubernetes cluster to run Jobs on ({type(exc).__name__}: {exc})") from None
             runner = K8sRunner(store, gateway, template_text, model, namespace=namespace, key=key,
                                concurrency=concurrency, jobs_per_minute=jobs_per_minute,
                                ttl_after_finished_s=ttl_after_finished, timeout_s=timeout,
-                               api_client=load_api_client(), input_templates=input_templates, **common)
+                               api_client=api_client, input_templates=input_templates, **common)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,9 +197,13 @@ def one_line_errors() -> Iterator[None]:
     except (RedisConnectionError, RedisTimeoutError) as exc:
         typer.echo(f"error: Redis did not answer: {exc} (is it running? --redis / AGL_REDIS_URL)", err=True)
         raise typer.Exit(1) from None
-    except ControllerIdLive as exc:
+    except (ControllerIdLive, NoCluster) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+class NoCluster(RuntimeError):
+    """``--mode k8s`` found no cluster configuration."""
 
 
 def _dry_run(template_text: str, gateway: str, model: str, key: str | None, namespace: str, ttl: int,

@@ -133,9 +133,10 @@ def train(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
         _run(cfg, resume)
 
 
-def _load_config(path: Path, overrides: dict | None = None):
+def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = True):
     """The :class:`TrainConfig` in ``path`` (YAML, or a run's ``config.json``) with ``overrides`` applied;
-    a file that does not validate: its error and exit 2."""
+    a file that does not validate: its error and exit 2; ``uses_redis``: its Redis URL will be used (then one whose
+    password shows as ``***``, as a run's config.json holds it, is refused: give --redis)."""
     from agl_common.settings import redacted_url
     from pydantic import ValidationError
 
@@ -144,7 +145,7 @@ def _load_config(path: Path, overrides: dict | None = None):
     try:
         cfg = TrainConfig.from_yaml(path)
         cfg = TrainConfig.model_validate({**cfg.model_dump(), **overrides}) if overrides else cfg
-        if "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # its password is "***"
+        if uses_redis and "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # password "***"
             raise ValueError("its Redis URL has the password hidden (***, as a run's config.json shows it): give "
                              "the URL with --redis or AGL_REDIS_URL")
         return cfg
@@ -219,9 +220,16 @@ def demo(
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
     from .config import TrainConfig
 
+    from pydantic import ValidationError
+
     overrides = {k: v for k, v in {"steps": steps, "out_dir": out_dir, "engine_url": engine_url,
                                    "seed": seed}.items() if v is not None}
-    _run(_with_loggers(TrainConfig(**overrides, **_redis_overrides(redis, prefix)), logger))
+    try:
+        cfg = TrainConfig(**overrides, **_redis_overrides(redis, prefix))
+    except (ValidationError, ValueError) as exc:
+        err.print(f"[red]invalid option[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    _run(_with_loggers(cfg, logger))
 
 
 @app.command("eval")
@@ -231,11 +239,11 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
           n: int = typer.Option(1, "--n", max=1024, help="rollouts per held-out input (pass@k up to k = n)"),
           run: Path = typer.Option(None, "--run", exists=True, file_okay=False, help="run directory for --policy vN"),
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON only"),
-          logger: list[str] = LoggerOpt):
+          logger: list[str] = LoggerOpt, redis: str = RunRedisOpt, prefix: str = RunPrefixOpt):
     """Run the harness on the held-out inputs without training: accuracy, pass@k, reward distribution."""
     from .evaluation import PolicyNotFound, resolve_policy, result_table, run_eval
 
-    cfg = _with_loggers(_load_config(config), logger)
+    cfg = _with_loggers(_load_config(config, _redis_overrides(redis, prefix)), logger)
     _check_task(cfg, train=False)
     if n < 1:
         err.print(f"[red]--n must be at least 1[/red], got {n}")
@@ -401,7 +409,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
 
     from .ui.traces import analyse, load_decoder, run_settings
 
-    settings = run_settings(_load_config(config).model_dump() if config is not None else {})
+    settings = run_settings(_load_config(config, uses_redis=False).model_dump() if config is not None else {})
     try:
         decoder = load_decoder(tokenizer)
     except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
@@ -495,7 +503,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     if out is not None and not out.parent.is_dir():  # (checked before anything is read)
         err.print(f"[red]--out {escape(str(out))}[/red]: directory {escape(str(out.parent))} does not exist")
         raise typer.Exit(2) from None
-    cfg = _load_config(config) if config is not None else None
+    cfg = _load_config(config, uses_redis=False) if config is not None else None
     stats = ExportStats()
     eos_ids, decode = None, None
     if shape == "rows":  # the base model's end-of-turn ids, as training reads them
