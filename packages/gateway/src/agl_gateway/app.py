@@ -124,7 +124,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             cookie_jar=aiohttp.DummyCookieJar())
         metrics = Metrics()
         wake = asyncio.Event()
-        gate = PauseGate(settings.max_hold, on_change=wake.set)
+        gate = PauseGate(settings.max_hold, on_change=wake.set, max_held_per_attempt=settings.max_in_flight_per_attempt)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model) if settings.model else None,
                           metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
         app.state.agl = st

@@ -31,6 +31,9 @@ def serve(
     max_body_bytes: int = typer.Option(_D["max_body_bytes"].default, envvar="AGL_MAX_BODY_BYTES"),
     max_calls_per_attempt: int = typer.Option(_D["max_calls_per_attempt"].default, envvar="AGL_MAX_CALLS_PER_ATTEMPT",
                                               help=_D["max_calls_per_attempt"].description),
+    max_in_flight_per_attempt: int = typer.Option(_D["max_in_flight_per_attempt"].default,
+                                                  envvar="AGL_MAX_IN_FLIGHT_PER_ATTEMPT",
+                                                  help=_D["max_in_flight_per_attempt"].description),
     max_record_bytes_per_attempt: int = typer.Option(_D["max_record_bytes_per_attempt"].default,
                                                      envvar="AGL_MAX_RECORD_BYTES_PER_ATTEMPT",
                                                      help=_D["max_record_bytes_per_attempt"].description),
@@ -48,7 +51,8 @@ def serve(
         settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
                                    port=port, key=key, open=open_, max_hold=max_hold,
                                    max_body_bytes=max_body_bytes, max_calls_per_attempt=max_calls_per_attempt,
-                                   max_record_bytes_per_attempt=max_record_bytes_per_attempt, otel=otel)
+                                   max_record_bytes_per_attempt=max_record_bytes_per_attempt,
+                                   max_in_flight_per_attempt=max_in_flight_per_attempt, otel=otel)
     except ValidationError as exc:
         errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         typer.echo(f"error: invalid gateway settings: {errors}", err=True)

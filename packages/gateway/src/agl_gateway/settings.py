@@ -26,6 +26,9 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     max_calls_per_attempt: int = Field(default=CALLS_PER_ATTEMPT_MAX, ge=1, description=(
         "model calls one attempt of a rollout may record; beyond: 403 too_many_calls (nothing forwarded)"))
+    max_in_flight_per_attempt: int = Field(default=64, ge=1, description=(
+        "model calls of one attempt held by a pause or in flight at once (each holds its body in memory); beyond: "
+        "503 too_many_in_flight"))
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
