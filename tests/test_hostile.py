@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 import torch
-from agl_common.schemas import (EVENTS_PER_ROLLOUT_MAX, GroupInfo, Rollout, RolloutStatus, check_reward)
+from agl_common.schemas import (EVENTS_PER_ATTEMPT_MAX, GroupInfo, Rollout, RolloutStatus, check_reward)
 
 from fakes import Served, fake_upstream
 from test_gateway import gateway
@@ -118,7 +118,7 @@ async def test_events_are_bounded_and_end_with_the_rollout(store, redis_url, pre
     scoped key left 99 MB in Redis."""
     import agl_gateway.routes.rollouts as routes
 
-    monkeypatch.setattr(routes, "EVENTS_PER_ROLLOUT_MAX", 3)
+    monkeypatch.setattr(routes, "EVENTS_PER_ATTEMPT_MAX", 3)
     await store.create_rollout(Rollout(rollout_id="e1", status=RolloutStatus.running), enqueue=False)
     await store.create_rollout(Rollout(rollout_id="e2", status=RolloutStatus.succeeded), enqueue=False)
     with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
@@ -137,7 +137,7 @@ async def test_events_are_bounded_and_end_with_the_rollout(store, redis_url, pre
     assert done.status_code == 409 and done.json()["error"]["code"] == "rollout_finished"
     assert len(await store.read_events("e1")) == 3 and await store.read_events("e2") == []
     assert openapi.status_code == 200  # no key: the route list is public, as every route is
-    assert EVENTS_PER_ROLLOUT_MAX == 1000
+    assert EVENTS_PER_ATTEMPT_MAX == 1000
 
 
 async def test_with_a_key_not_even_the_route_list_is_public(store, redis_url, prefix):
@@ -242,7 +242,7 @@ async def test_concurrent_events_cannot_pass_the_cap(store, redis_url, prefix, m
 
     import agl_gateway.routes.rollouts as routes
 
-    monkeypatch.setattr(routes, "EVENTS_PER_ROLLOUT_MAX", 5)
+    monkeypatch.setattr(routes, "EVENTS_PER_ATTEMPT_MAX", 5)
     await store.create_rollout(Rollout(rollout_id="c1", status=RolloutStatus.running), enqueue=False)
     with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
         async with httpx.AsyncClient(timeout=60) as c:

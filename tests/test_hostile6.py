@@ -48,6 +48,10 @@ DROPPED = [
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "'input_file'"),
     ("responses", {"input": [{"type": "function_call_output", "call_id": "c1", "output": 5}]}, "'output'"),
+    # round 8 (left open by round 7): options the translation drops
+    ("responses", {"input": "hi", "top_logprobs": 3}, "'top_logprobs'"),
+    ("responses", {"input": "hi", "max_tool_calls": 1}, "'max_tool_calls'"),
+    ("responses", {"input": "hi", "truncation": "auto"}, "'truncation'"),
 ]
 
 

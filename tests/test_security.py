@@ -99,9 +99,13 @@ def test_scoped_key_reaches_only_its_own_rollout_attempt(deployed):
             for method, url, headers, body in requests_for(gw.url, rid, aid):
                 resp = send(c, method, url, headers, body, mine)
                 assert resp.status_code == 401, (rid, aid, url, resp.status_code, resp.text[:200])
-        # the header form without an attempt uses the rollout's current one: r3's is 1, the key is for r1/0
+        # the header form without an attempt acts for the attempt its key is for: r3's current one is 1, so a
+        # key for r3/0 is that earlier attempt's late call (409, as the path form answers it), a key for r1/0 a 401
         resp = c.post(f"{gw.url}/v1/chat/completions", json=BODIES["chat/completions"],
                       headers={"X-AGL-Rollout-Id": "r3", **auth(scoped_key(ADMIN, "r3", "0"))})
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "stale_attempt", resp.text[:200]
+        resp = c.post(f"{gw.url}/v1/chat/completions", json=BODIES["chat/completions"],
+                      headers={"X-AGL-Rollout-Id": "r3", **auth(mine)})
         assert resp.status_code == 401
         resp = c.post(f"{gw.url}/v1/chat/completions", json=BODIES["chat/completions"],
                       headers={"X-AGL-Rollout-Id": "r3", **auth(scoped_key(ADMIN, "r3", "1"))})

@@ -245,11 +245,11 @@ def answer_text(call: CallRecord) -> str:
 #: Largest |reward| accepted (from a harness, a reward function or a CLI): far above any reward scale in use,
 #: and small enough that a group's advantage statistics cannot overflow.
 REWARD_LIMIT = 1e9
-#: Longest reward message, event type (characters) and event (bytes of JSON), and most events per rollout.
+#: Longest reward message, event type (characters) and event (bytes of JSON), and most events one attempt may post.
 REWARD_MESSAGE_MAX = 4096
 EVENT_TYPE_MAX = 128
 EVENT_BYTES_MAX = 64 * 1024
-EVENTS_PER_ROLLOUT_MAX = 1000
+EVENTS_PER_ATTEMPT_MAX = 1000
 
 
 def check_reward(value: Any) -> float:

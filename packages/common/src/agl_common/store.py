@@ -17,6 +17,7 @@ key                                 type      holds
                                               of the same call is recognised, not recorded twice); field
                                               ``_bytes``: the bytes the attempt's records hold
 ``P events:{rid}``                  stream    custom events posted by the agent
+``P events:{rid}:n``                hash      attempt id → events that attempt posted (the per-attempt cap)
 ``P {E}:layout``                    string    the key layout's version (:data:`LAYOUT_VERSION`)
 ``P {E}:rollouts``                  zset      rollout ids scored by creation time (Unix s)
 ``P {E}:queue``                     list      rollout ids waiting for the controller
@@ -103,8 +104,10 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 #: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
 #: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
 #: Append an event unless the stream holds ARGV[2] already (one step: concurrent posts cannot pass the cap).
+#: KEYS: events stream, per-attempt counts (one slot); ARGV: event JSON, most events an attempt may post, attempt id.
 _ADD_EVENT = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[2]) then return false end
+if tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or '0') >= tonumber(ARGV[2]) then return false end
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
 return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
 """
 
@@ -593,14 +596,15 @@ class Store:
 
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any],
                         max_events: int | None = None) -> str | None:
-        """Append an event to the rollout's stream; returns its entry id, or None (nothing written) when the stream
-        holds ``max_events`` already (checked and appended in one step)."""
+        """Append an event to the rollout's stream; returns its entry id, or None (nothing written) when this
+        attempt posted ``max_events`` already (checked and appended in one step: a retried attempt starts at 0)."""
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
         key = self.rollout_key("events", rollout_id)
         if max_events is None:
             entry_id = await self.r.xadd(key, {"d": body})
         else:
-            entry_id = await self._event_script(keys=[key], args=[body, max_events])
+            entry_id = await self._event_script(keys=[key, self.rollout_key("events", rollout_id, "n")],
+                                                args=[body, max_events, attempt_id])
             if entry_id is None:
                 return None
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -140,6 +140,7 @@ class Captured:
     usage: dict[str, Any] | None = None
     error: str | None = None
     said: bool = False  # choice 0 holds text or tool calls (then it cannot have come from no token ids)
+    shape: str | None = None  # what choice 0 lacks for the agent to read an answer (no message, no text)
 
 
 def capture_answer(route: str, data: dict[str, Any]) -> Captured:
@@ -152,7 +153,13 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
     said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
-    return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said)
+    shape = None
+    if first and route == "chat" and not isinstance(first.get("message"), dict):
+        shape = "choice 0 holds no message object: the agent got no answer"
+    elif first and route == "completions" and not isinstance(first.get("text"), str):
+        shape = "choice 0 holds no text: the agent got no answer"
+    return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said,
+                    shape=shape)
 
 
 def error_text(err: Any) -> str | None:
@@ -165,7 +172,8 @@ def error_text(err: Any) -> str | None:
 
 def check(cap: Captured) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an error the engine reported
-    within its answer (a stream that failed mid-generation, an ``error`` beside the choices); no prompt token
+    within its answer (a stream that failed mid-generation, an ``error`` beside the choices); a choice the agent
+    cannot read an answer from (a chat choice without ``message``, a completion without ``text``); no prompt token
     ids; prompt ids other than ``usage.prompt_tokens`` counts; no response token ids while the reply holds text
     or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
     ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
@@ -174,6 +182,8 @@ def check(cap: Captured) -> str | None:
     or below :data:`LOGPROB_FLOOR`; no finish reason (a generation that did not end)."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
+    if cap.shape:
+        return cap.shape
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
     n = (cap.usage or {}).get("completion_tokens")

@@ -120,13 +120,29 @@ async def resolve_identity(request: Request, st: GatewayState, create: bool = Tr
         log.warning("store unavailable while resolving %r: %r", rid, exc)
         raise store_down() from None
     if aid is None:
-        aid = rollout.attempt_id
+        aid = _attempt_of_key(key, presented, rollout) if key else rollout.attempt_id
     if key and not key_allows(key, presented, rid, aid):
         raise _bad_key()
     if aid != rollout.attempt_id:
         raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (current attempt: {rollout.attempt_id})",
                        "conflict_error", "stale_attempt")
     return Identity(rid, aid, rollout)
+
+
+#: How many earlier attempts a scoped key is matched against when the headers name no attempt (retries are few).
+STALE_KEYS_CHECKED = 16
+
+
+def _attempt_of_key(key: str, presented: str | None, rollout: Rollout) -> str:
+    """The attempt a request naming only its rollout acts for: the current one, or the earlier attempt whose
+    scoped key it presents (so that a retried harness's late call is the 409 a path-form call gets, not a 401)."""
+    current = int(rollout.attempt_id)
+    if key_allows(key, presented, None, None):  # the admin key acts for the current attempt
+        return rollout.attempt_id
+    for earlier in range(current - 1, max(-1, current - 1 - STALE_KEYS_CHECKED), -1):
+        if key_allows(key, presented, rollout.rollout_id, str(earlier)):
+            return str(earlier)
+    return rollout.attempt_id
 
 
 async def authorize(request: Request, st: GatewayState) -> None:

@@ -196,12 +196,23 @@ def check_anthropic(body: dict[str, Any]) -> None:
                       "parallel tool calls anyway)")
 
 
+#: Responses options the translation to Chat Completions drops: only their default passes (LiteLLM 1.x leaves
+#: out ``top_logprobs``, ``max_tool_calls`` and ``truncation``; the engine would answer as if they were unset)
+_RESPONSES_DEFAULT_ONLY = {"top_logprobs": (None, 0), "max_tool_calls": (None, None),
+                           "truncation": (None, "disabled")}
+
+
 def check_responses(body: dict[str, Any]) -> None:
     """Raise ``ApiError`` 400 unless a Responses request is one this gateway translates faithfully: an
     ``input`` string or list of message / function_call / function_call_output / reasoning items, string
-    ``instructions``, function tools only, and no ``previous_response_id`` or ``conversation`` (the gateway
-    keeps no conversation state: send the whole conversation in ``input``)."""
+    ``instructions``, function tools only, no ``previous_response_id`` or ``conversation`` (the gateway
+    keeps no conversation state: send the whole conversation in ``input``), and ``top_logprobs``,
+    ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`)."""
     what = "Responses"
+    for field, defaults in _RESPONSES_DEFAULT_ONLY.items():
+        if body.get(field) not in defaults:
+            raise _refuse(what, f"{field!r}", f"is not carried by the translation (only {defaults[1]!r} or absent), "
+                          f"got {body.get(field)!r:.40}")
     for field in ("previous_response_id", "conversation"):
         if body.get(field) is not None:
             raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state): "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from agl_common.schemas import EVENT_BYTES_MAX, EVENTS_PER_ROLLOUT_MAX, TERMINAL, EventIn, RewardIn, Rollout
+from agl_common.schemas import EVENT_BYTES_MAX, EVENTS_PER_ATTEMPT_MAX, TERMINAL, EventIn, RewardIn, Rollout
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -52,7 +52,8 @@ async def reward(request: Request):
 async def events(request: Request):
     """Append a custom event to the rollout's event stream. 400 for an event over ``EVENT_BYTES_MAX`` bytes of
     JSON (or a ``type`` over ``EVENT_TYPE_MAX`` characters), 409 once the rollout succeeded or failed (as for
-    rewards and model calls), 429 once it holds ``EVENTS_PER_ROLLOUT_MAX`` events: one harness cannot fill Redis."""
+    rewards and model calls), 429 once this attempt posted ``EVENTS_PER_ATTEMPT_MAX`` events: one harness cannot fill
+    Redis, and a retried attempt starts with none."""
     st = state_of(request)
     ident, body = await _parse(request, EventIn)
     size = len(orjson.dumps(body.data))
@@ -61,10 +62,11 @@ async def events(request: Request):
     check_callable(ident)
     try:
         entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data,
-                                         max_events=EVENTS_PER_ROLLOUT_MAX)
+                                         max_events=EVENTS_PER_ATTEMPT_MAX)
     except RedisError:
         raise store_down() from None
     if entry is None:
-        raise ApiError(429, f"rollout {ident.rollout_id!r} holds {EVENTS_PER_ROLLOUT_MAX} events, the most it may",
+        raise ApiError(429, f"attempt {ident.attempt_id} of rollout {ident.rollout_id!r} posted "
+                       f"{EVENTS_PER_ATTEMPT_MAX} events, the most an attempt may",
                        "rate_limit_error", "too_many_events")
     return {"id": entry}
