@@ -460,3 +460,21 @@ def test_bad_input_pages_in_browser(recorded, page):
         page.goto(f"{down.url}/rollouts/anything")
         assert page.inner_text("#error h1") == "Redis is not reachable"
         shot(page, "12-redis-down")
+
+
+def test_a_hand_edited_metrics_file_with_odd_groups_is_no_503(redis_url, tmp_path):
+    """``groups`` holding numbers or objects, or a string in place of the list: every page answers, naming no
+    group it cannot be (it was a 503 "Redis is not reachable", the error of a type it did not expect)."""
+    d = tmp_path / "demo" / "r1"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in (
+        {"step": 1, "groups": [1, {"a": 2}, None, "g-odd"], "reward_mean": 0.5}, {"step": 2, "groups": "abc"})) + "\n")
+    prefix = f"test-ui-odd-{uuid.uuid4().hex[:8]}:"
+    with Served(create_app(redis_url, prefix, tmp_path, Decoder(decode, {EOS}))) as ui:
+        for path, status in (("/", 200), ("/runs/r1", 200), ("/runs/r1/steps/1", 200), ("/runs/r1/steps/2", 200),
+                             ("/runs/r1/steps/1/groups/1", 404), ("/runs/r1/steps/2/groups/a", 404),
+                             ("/runs/r1/steps/1/groups/g-odd", 200)):
+            resp = httpx.get(ui.url + path, timeout=60)
+            assert resp.status_code == status, (path, resp.status_code, resp.text[:300])
+        step1 = httpx.get(ui.url + "/runs/r1/steps/1", timeout=60).text
+        assert "g-odd" in step1

@@ -54,6 +54,13 @@ def pick(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+def step_groups(m: dict[str, Any]) -> list[str]:
+    """The group ids a step's metrics line names (``groups``): its string entries; anything else (a hand-edited
+    or foreign ``metrics.jsonl``: a number, a dict, a string in place of the list) names none."""
+    groups = m.get("groups")
+    return [g for g in groups if isinstance(g, str)] if isinstance(groups, list) else []
+
+
 def _finite(text: str) -> float | None:
     value = float(text)
     return value if math.isfinite(value) else None

@@ -33,7 +33,7 @@ from fastapi.templating import Jinja2Templates
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .runs import STEP_COLUMNS, Run, find_run, find_runs, load_run
+from .runs import STEP_COLUMNS, Run, find_run, find_runs, load_run, step_groups
 from .traces import Decoder, TraceCache, group_view, logprob_colour, message_text, run_settings
 
 HERE = Path(__file__).parent
@@ -181,7 +181,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
                 continue
             run = load_run(p)
             for m in run.steps:
-                if rollout.group_id in (m.get("groups") or []):
+                if rollout.group_id in step_groups(m):
                     return RedirectResponse(rollout_url(run, m["step"], rollout.group_id, rid), status_code=303)
         return RedirectResponse(rollout_url(None, None, None, rid), status_code=303)
 
@@ -194,14 +194,14 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
     async def step_page(request: Request, run_id: str, step: int):
         run = get_run(run_id)
         m = get_step(run, step)
-        groups = [await group_summary(run, gid) for gid in m.get("groups") or []]
+        groups = [await group_summary(run, gid) for gid in step_groups(m)]
         return page(request, "step.html", run=run, step=step, m=m, groups=groups, crumbs=crumbs(run, step))
 
     @app.get("/runs/{run_id}/steps/{step}/groups/{gid}", response_class=HTMLResponse)
     async def group_page(request: Request, run_id: str, step: int, gid: str):
         run = get_run(run_id)
         m = get_step(run, step)
-        if gid not in (m.get("groups") or []):
+        if gid not in step_groups(m):
             raise PageError(404, "Unknown group", f"Step {step} of run {run_id} trained no group {gid!r}.")
         g = await group_summary(run, gid)
         return page(request, "group.html", run=run, step=step, g=g, crumbs=crumbs(run, step, gid))
