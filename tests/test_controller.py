@@ -119,6 +119,33 @@ async def test_concurrency_limit_and_shutdown_hands_runs_back(store, gateway_url
     assert await store.claimed(runner.controller_id) == []
 
 
+async def test_a_rollout_interrupted_at_every_restart_ends_after_its_bound(store, gateway_url, tmp_path):
+    """A run that stops its own controller (or any rollout a restart interrupts again and again) is handed back
+    ``HAND_BACKS_MAX`` times beyond its ``max_attempts``, then ends ``failed interrupted`` (it was handed back for
+    ever: round 7 left it open)."""
+    from agl_controller.base import HAND_BACKS_MAX
+
+    # max_attempts 1: "worn" was handed back HAND_BACKS_MAX times already (its attempt ids 0..HAND_BACKS_MAX)
+    for rid, aid in (("fresh", "0"), ("worn", str(HAND_BACKS_MAX))):
+        await store.create_rollout(Rollout(rollout_id=rid, attempt_id=aid, input={
+            "calls": 1, "sleep": 30, "on_term": 143, "pid_out": str(tmp_path / f"{rid}.pid")}))
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", concurrency=2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run_forever(stop))
+    for _ in range(100):
+        if all(r.status == RolloutStatus.running for r in [await store.get_rollout(i) for i in ("fresh", "worn")]):
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    fresh, worn = await store.get_rollout("fresh"), await store.get_rollout("worn")
+    assert (fresh.status, fresh.attempt_id) == (RolloutStatus.queuing, "1"), fresh
+    assert (worn.status, worn.failure, worn.attempt_id) == (RolloutStatus.failed, "interrupted", str(HAND_BACKS_MAX))
+    assert [i.decode() for i in await store.r.lrange(store.key("queue"), 0, -1)] == ["fresh"]
+    assert await store.claimed(runner.controller_id) == []
+
+
 @pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
 async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gateway_url, tmp_path, monkeypatch,
                                                                     preload):

@@ -42,6 +42,10 @@ RewardFn = Callable[[dict[str, Any], str], float]
 
 #: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
 #: An entry matches the reason itself or any ``entry:...`` (``signal`` matches ``signal:15``).
+#: Times a rollout may be handed back by stopping controllers beyond its ``max_attempts`` (see ``hand_back``).
+HAND_BACKS_MAX = 8
+
+
 class RewardFunctionError(RuntimeError):
     """The ``--reward-fn`` raised (whatever it raised, ``SystemExit`` and ``GeneratorExit`` included)."""
 
@@ -292,7 +296,15 @@ class Runner:
 
     async def hand_back(self, rollout_id: str, attempt_id: str, reason: str) -> Rollout | None:
         """An attempt interrupted by this controller's own shutdown: start a new attempt and queue it (whatever
-        ``max_attempts``), so the next controller runs it. Returns the rollout, or ``None`` if stale."""
+        ``max_attempts``), so the next controller runs it. Returns the rollout, or ``None`` if stale.
+
+        A rollout that has had ``max_attempts + HAND_BACKS_MAX`` attempts is not handed back again: it ends
+        ``failed`` with failure ``interrupted`` (a run that stops its own controller would otherwise run again
+        at every restart, for ever)."""
+        if int(attempt_id) + 1 >= self.max_attempts + HAND_BACKS_MAX:
+            log.warning("rollout %s attempt %s interrupted (%s) after %d attempts: ended, not handed back",
+                        rollout_id, attempt_id, reason, int(attempt_id) + 1)
+            return await self.finish_attempt(rollout_id, attempt_id, "interrupted", check_calls=False)
         try:
             rollout = await self.store.retry_attempt(rollout_id, attempt_id)
         except (RolloutNotFound, ValueError) as exc:
