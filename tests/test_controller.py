@@ -146,6 +146,28 @@ async def test_a_rollout_interrupted_at_every_restart_ends_after_its_bound(store
     assert await store.claimed(runner.controller_id) == []
 
 
+async def test_a_stop_while_a_run_is_being_started_hands_it_back(store, gateway_url, tmp_path):
+    """A stop that comes while the harness is still being forked (round 7: shutdown() did not see it, its SIGKILL
+    3 s later was recorded as the run's own ``oom_killed``): the run is handed back like the others."""
+    await store.create_rollout(Rollout(rollout_id="late", input={
+        "calls": 1, "sleep": 30, "pid_out": str(tmp_path / "late.pid")}))
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs")
+    stop = asyncio.Event()
+    real_start = runner.launcher.start
+
+    async def slow_start(*args):
+        stop.set()  # the stop arrives while this run is being started: shutdown() begins before it is
+        while not runner._stopping:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        return await real_start(*args)
+
+    runner.launcher.start = slow_start
+    await asyncio.wait_for(runner.run_forever(stop), 30)
+    late = await store.get_rollout("late")
+    assert (late.status, late.attempt_id, late.failure) == (RolloutStatus.queuing, "1", None), late
+
+
 @pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
 async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gateway_url, tmp_path, monkeypatch,
                                                                     preload):

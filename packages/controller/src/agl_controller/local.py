@@ -262,6 +262,10 @@ class LocalRunner(Runner):
             log.warning("cannot start %s: %r", self.command, exc)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
         self._procs[rollout_id] = proc
+        if self._stopping:  # the stop came while it was being started: shutdown() did not see it
+            self._interrupted.add(rollout_id)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         try:
