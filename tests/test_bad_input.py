@@ -369,7 +369,12 @@ NEVER_GOOD = [
     ("huge-prompt-id", "chat/completions", lambda: corrupt(good_chat(), ("prompt_token_ids", 1), 2**63 + 5),
      "out of range"),
     ("usage-not-an-integer", "chat/completions", lambda: corrupt(good_chat(), ("usage", "completion_tokens"), "2"),
-     "usage.completion_tokens is not an integer"),
+     "usage.completion_tokens is not a count"),
+    # (round 9) a prompt count of another type switched the prompt-ids check off: 3 ids against "99" were `ok`
+    *[(f"prompt-count-{kind}", "chat/completions",
+       (lambda v: lambda: corrupt(good_chat(), ("usage", "prompt_tokens"), v))(value),
+       "usage.prompt_tokens is not a count")
+      for kind, value in (("string", "99"), ("float", 99.0), ("bool", True), ("list", [1]), ("negative", -1))],
 ]
 
 

@@ -52,6 +52,12 @@ DROPPED = [
     ("responses", {"input": "hi", "top_logprobs": 3}, "'top_logprobs'"),
     ("responses", {"input": "hi", "max_tool_calls": 1}, "'max_tool_calls'"),
     ("responses", {"input": "hi", "truncation": "auto"}, "'truncation'"),
+    # round 9: a stored prompt, what Anthropic's servers run, and an n no Anthropic agent reads
+    ("responses", {"input": "hi", "prompt": {"id": "pmpt_1"}}, "'prompt'"),
+    ("messages", {"messages": USER, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
+     "'mcp_servers'"),
+    ("messages", {"messages": USER, "container": "cntr_1"}, "'container'"),
+    ("messages", {"messages": USER, "n": 3}, "'n'"),
 ]
 
 

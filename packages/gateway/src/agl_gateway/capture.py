@@ -60,6 +60,21 @@ def token_logprobs(entries: list[Any], what: str) -> list[float] | None:
     return None if any(x is None for x in raw) else float_list(raw, "logprobs")
 
 
+def ordered_choices(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answer's ``choices`` in ``index`` order (a choice without ``index`` takes its position). Raises
+    :class:`MalformedUpstream` unless they are objects whose indexes are 0..n-1, each once: the record is the
+    choice with index 0, wherever the engine put it."""
+    choices = data.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MalformedUpstream("'choices' is not a list of objects")
+    indexes = [c.get("index", k) for k, c in enumerate(choices)]
+    if any(type(i) is not int for i in indexes) or sorted(indexes) != list(range(len(choices))):
+        raise MalformedUpstream(f"the choices' indexes are not 0 to {len(choices) - 1}, each once: {indexes!r:.60}")
+    return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
+
+
 def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None, str | None,
                                                                  int]:
     """Token ids and logprobs from a vLLM answer with ``return_token_ids``/``logprobs`` on.
@@ -70,11 +85,7 @@ def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[in
     a token without its logprob. Missing fields give empty lists; fields of the wrong type raise
     :class:`MalformedUpstream`.
     """
-    choices = data.get("choices")
-    if choices is None:
-        choices = []
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise MalformedUpstream("'choices' is not a list of objects")
+    choices = ordered_choices(data)
     choice = choices[0] if choices else {}
     prompt_ids = int_list(data.get("prompt_token_ids") or choice.get("prompt_token_ids"), "prompt_token_ids")
     response_ids = int_list(choice.get("token_ids"), "token_ids")
@@ -149,8 +160,8 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise MalformedUpstream("'usage' is not an object")
-    choices = data.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    choices = ordered_choices(data)
+    first = choices[0] if choices else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
     said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
     shape = None
@@ -186,12 +197,14 @@ def check(cap: Captured) -> str | None:
         return cap.shape
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
+    for name in ("prompt_tokens", "completion_tokens"):  # a count of another type would switch its check off
+        value = (cap.usage or {}).get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            return f"usage.{name} is not a count: {value!r:.40}"
     n = (cap.usage or {}).get("completion_tokens")
-    counted = isinstance(n, int) and not isinstance(n, bool)
-    if n is not None and not counted:
-        return f"usage.completion_tokens is not an integer: {n!r:.40}"
+    counted = n is not None
     p = (cap.usage or {}).get("prompt_tokens")
-    if isinstance(p, int) and not isinstance(p, bool) and p != len(cap.prompt_token_ids):
+    if p is not None and p != len(cap.prompt_token_ids):
         return f"prompt token ids incomplete: {len(cap.prompt_token_ids)} of usage.prompt_tokens {p}"
     if not cap.response_token_ids and (cap.said or not (counted and n == 0)):
         return ("response token ids missing: the engine returned none, and the reply holds text or no usage says "
@@ -256,6 +269,11 @@ class StreamCapture:
                 raise MalformedUpstream(f"a stream chunk's choice has index {index!r:.20} (a live stream has one "
                                         "choice, index 0)")
             ids = int_list(ch.get("token_ids"), "token_ids")
+            delta = ch.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise MalformedUpstream("'delta' is not an object")
+            if cap.finish_reason and (ids or delta.get("content") or delta.get("tool_calls")):
+                raise MalformedUpstream(f"tokens after the stream's finish reason {cap.finish_reason!r:.20}")
             n_ids += len(ids)
             cap.response_token_ids += ids
             lp = ch.get("logprobs") or {}
@@ -267,9 +285,6 @@ class StreamCapture:
                 self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
             else:
                 self.lps += got
-            delta = ch.get("delta") or {}
-            if not isinstance(delta, dict):
-                raise MalformedUpstream("'delta' is not an object")
             piece = delta.get("content") or ""
             if not isinstance(piece, str):
                 raise MalformedUpstream("'delta.content' is not a string")

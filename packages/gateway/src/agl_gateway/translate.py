@@ -172,7 +172,8 @@ def _check_image_source(source: dict, what: str, where: str) -> None:
 
 def check_anthropic(body: dict[str, Any]) -> None:
     """Raise ``ApiError`` 400 unless every turn, block, system prompt and tool of an Anthropic Messages request
-    is one this gateway translates faithfully (see the tables above)."""
+    is one this gateway translates faithfully (see the tables above), with no ``mcp_servers`` or ``container``
+    (Anthropic's servers run those) and no ``n`` above 1."""
     what = "Anthropic Messages"
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -190,6 +191,12 @@ def check_anthropic(body: dict[str, Any]) -> None:
         _check_blocks(body["system"], ("text",), what, "'system'")
     _check_tools(body.get("tools"), what, lambda tool: tool.get("type", "custom") == "custom"
                  and isinstance(tool.get("name"), str))
+    for field in ("mcp_servers", "container"):  # run by Anthropic's servers: no engine runs them
+        if body.get(field) is not None:
+            raise _refuse(what, f"{field!r}", "is not supported: no engine behind this gateway runs MCP servers or "
+                          "containers (give the agent function tools it runs itself)")
+    if body.get("n") not in (None, 1):  # not an Anthropic field: LiteLLM forwarded it and the agent saw 1 of n
+        raise _refuse(what, "'n'", f"is not an Anthropic Messages field (one answer per call), got {body['n']!r:.20}")
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):  # LiteLLM drops the flag
         raise _refuse(what, "'tool_choice'", "disable_parallel_tool_use is not translated (the engine would make "
@@ -205,18 +212,18 @@ _RESPONSES_DEFAULT_ONLY = {"top_logprobs": (None, 0), "max_tool_calls": (None, N
 def check_responses(body: dict[str, Any]) -> None:
     """Raise ``ApiError`` 400 unless a Responses request is one this gateway translates faithfully: an
     ``input`` string or list of message / function_call / function_call_output / reasoning items, string
-    ``instructions``, function tools only, no ``previous_response_id`` or ``conversation`` (the gateway
-    keeps no conversation state: send the whole conversation in ``input``), and ``top_logprobs``,
+    ``instructions``, function tools only, no ``previous_response_id``, ``conversation`` or ``prompt`` (the
+    gateway keeps no conversation state nor stored prompts: send the whole conversation in ``input``), and ``top_logprobs``,
     ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`)."""
     what = "Responses"
     for field, defaults in _RESPONSES_DEFAULT_ONLY.items():
         if body.get(field) not in defaults:
             raise _refuse(what, f"{field!r}", f"is not carried by the translation (only {defaults[1]!r} or absent), "
                           f"got {body.get(field)!r:.40}")
-    for field in ("previous_response_id", "conversation"):
+    for field in ("previous_response_id", "conversation", "prompt"):
         if body.get(field) is not None:
-            raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state): "
-                          "send the whole conversation in 'input'")
+            raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state and no "
+                          "stored prompts): send the whole conversation in 'input'")
     if body.get("instructions") is not None and not isinstance(body["instructions"], str):
         raise _refuse(what, "'instructions'", f"must be a string, got {body['instructions']!r:.40}")
     items = body.get("input")
