@@ -73,3 +73,97 @@ async def test_the_record_is_the_choice_with_index_0_and_indexes_must_be_whole(s
             rec = await _last(store)
             assert rec.status == "error" and "indexes" in rec.error, (rec.status, rec.error)
     upstream.app.state.plan = None
+
+
+def _usage_error(argv: list[str], env: dict[str, str], code: int = 2) -> str:
+    import subprocess
+
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    # one line of ours, or Typer's own usage error (usage, hint, its 3-line box)
+    assert out.returncode == code and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 5, \
+        (argv, out.returncode, out.stderr[-2000:])
+    return out.stderr
+
+
+def test_round9_options_no_run_could_use_are_one_line_usage_errors(redis_url, tmp_path):
+    """A lease so short another controller took a live one's runs (`--lease-ttl 0.05`); commands that name no
+    program or one that is not there (every rollout `spawn_error`, retried); `--host ""` (every interface); an
+    empty prefix (`{}`: no hash tag, Redis Cluster failed); `--limit -5` (showed all); a `--runs-dir` that is a
+    file: each started or printed a traceback."""
+    import sys
+
+    env = {"AGL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    says = {}
+    for argv, word in (
+            (["-m", "agl_controller", "run", "--command", "true", "--lease-ttl", "0.05"], "--lease-ttl"),
+            (["-m", "agl_controller", "run", "--command", "   "], "no program"),
+            (["-m", "agl_controller", "run", "--command", "''"], "no program"),
+            (["-m", "agl_controller", "run", "--command", "/nonexistent/bin --x"], "not found"),
+            (["-m", "agl_controller", "run", "--command", "true", "--prefix", ":"], "must hold a name"),
+            (["-m", "agl_gateway", "serve", "--host", ""], "names no interface"),
+            (["-m", "agl_gateway", "serve", "--prefix", ""], "must hold a name"),
+            (["-m", "agl_trainer", "ui", "--host", "", "--tokenizer", "none"], "names no interface"),
+            (["-m", "agl_trainer", "ui", "--runs-dir", str(a_file), "--tokenizer", "none"], "is a file"),
+            (["-m", "agl_trainer", "rollouts", "list", "--limit", "-5"], "--limit"),
+            (["-m", "agl_trainer", "rollouts", "list", "--prefix", ""], "must hold a name")):
+        says[word] = _usage_error([sys.executable, *argv], env)
+        assert word in says[word], (argv, says[word])
+
+
+def test_train_config_refuses_a_command_with_no_program():
+    import pytest
+
+    from agl_trainer.config import TrainConfig
+
+    for command in ("''", "   ", '""'):
+        with pytest.raises(ValueError, match="no program"):
+            TrainConfig.model_validate({"command": command})
+
+
+def test_export_to_a_file_it_cannot_write_is_one_line(redis_url):
+    import sys
+
+    env = {"AGL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    for out, fmt in (("/proc/x.jsonl", "jsonl"), ("/sys/x.jsonl", "jsonl")):
+        stderr = _usage_error([sys.executable, "-m", "agl_trainer", "rollouts", "export", "--prefix",
+                               "test-export-none:", "--out", out, "--format", fmt], env, code=1)
+        assert "cannot write" in stderr, stderr
+
+
+def test_the_dashboard_on_loopback_answers_only_loopback_names_and_bad_parameters_get_its_page(redis_url, tmp_path):
+    """DNS rebinding: any ``Host`` was answered (a web page could read rollouts through a name it controls); a
+    parameter of the wrong type was FastAPI's raw JSON 422, not the dashboard's page."""
+    import subprocess
+    import sys
+    import time
+
+    from fakes import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "ui", "--host", "127.0.0.1", "--port", str(port),
+                             "--runs-dir", str(tmp_path), "--tokenizer", "none", "--redis", redis_url],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.get(url + "/", timeout=10).status_code == 200
+        assert httpx.get(url + "/", headers={"Host": f"localhost:{port}"}, timeout=10).status_code == 200
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+            resp = httpx.get(url + "/api/gateway", headers={"Host": host, "Origin": "http://evil.example"},
+                             timeout=10)
+            assert resp.status_code == 400, (host, resp.status_code, resp.text[:200])
+        resp = httpx.get(url + "/rollouts/some-id?page=abc", timeout=10)
+        assert resp.status_code == 400 and "text/html" in resp.headers["content-type"], resp.text[:300]
+        assert "page" in resp.text
+        api = httpx.get(url + "/api/runs/x?page=abc", timeout=10)
+        assert api.status_code in (404, 422) and "application/json" in api.headers["content-type"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

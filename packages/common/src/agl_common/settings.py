@@ -6,6 +6,7 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
+import shlex
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, field_validator
@@ -20,7 +21,39 @@ def check_prefix(prefix: str) -> str:
     else ``ValueError``. The Store and every settings model check it with this."""
     if "{" in prefix or "}" in prefix:
         raise ValueError(f"prefix {prefix!r} must not contain '{{' or '}}' (Redis Cluster hash-tag delimiters)")
+    if not prefix.strip(":"):  # "" or ":": the keys' own hash tag would be "{}" (no slot: Redis Cluster fails)
+        raise ValueError(f"prefix {prefix!r} must hold a name (e.g. 'agl:'): an empty one leaves the keys no hash tag")
     return prefix
+
+
+def command_argv(command: str) -> list[str]:
+    """A harness command line split as the controller runs it (``shlex``). Raises ``ValueError`` for an unclosed
+    quote or a line that names no program (``"   "``, ``"''"``)."""
+    argv = shlex.split(command)
+    if not argv or not argv[0].strip():
+        raise ValueError(f"command {command!r:.60} names no program to run")
+    return argv
+
+
+def check_bind_host(host: str) -> str:
+    """Return ``host`` if it names one interface to listen on; ``ValueError`` for an empty or blank one (uvicorn
+    reads ``""`` as every interface: an unset ``$HOST`` in ``--host "$HOST"`` would expose the service)."""
+    if not host.strip() or host != host.strip():
+        raise ValueError(f"--host {host!r} names no interface: give 127.0.0.1, or 0.0.0.0 for every interface")
+    return host
+
+
+#: Host header names a service bound to a loopback address answers (:func:`allowed_hosts`).
+LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+
+
+def allowed_hosts(host: str) -> list[str]:
+    """The ``Host`` header values a service bound to ``host`` answers (Starlette's ``TrustedHostMiddleware``): for
+    a loopback IPv4 bind (``127.x``, ``localhost``) only loopback names, so a web page cannot read it through DNS
+    rebinding; for any other bind every name (``*``: it is reached by names this process cannot know)."""
+    if host == "localhost" or host.startswith("127."):
+        return sorted({*LOOPBACK_NAMES, host})
+    return ["*"]
 
 
 def check_env_names(names: list[str] | tuple[str, ...], what: str = "pass-env") -> list[str]:

@@ -8,13 +8,14 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import jinja2
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix, command_argv
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
@@ -23,6 +24,9 @@ from .local import NEVER_PASSED
 
 #: the longest --timeout / --lease-ttl (s): Redis takes a lease in ms, Kubernetes an int32 deadline
 MAX_SECONDS = 10**7
+#: the shortest --lease-ttl (s): it is renewed every third of it, and a busy machine delays a renewal by more
+#: than 50 ms (then a second controller would take a live one's runs)
+MIN_LEASE_TTL = 1.0
 
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
@@ -93,12 +97,18 @@ def run(
         check_redis_url(redis)
         check_gateway_url(gateway, "--gateway")
         if command:
-            shlex.split(command)  # an unclosed quote: ValueError
+            program = command_argv(command)[0]  # an unclosed quote, nothing to run: ValueError
+            if mode == "local" and shutil.which(program) is None:
+                raise ValueError(f"--command: program {program!r} not found (on PATH, or as a path from "
+                                 f"{os.getcwd()}); every run would fail as spawn_error")
         if reward_fn:
             load_reward_fn(reward_fn)
-        for name, value in (("--timeout", timeout), ("--lease-ttl", lease_ttl)):
-            if not (0 < value <= MAX_SECONDS):  # (NaN fails too) beyond: Redis and Kubernetes refuse the value
-                raise ValueError(f"{name} must be a number of seconds in (0, {MAX_SECONDS}], got {value}")
+        if not (0 < timeout <= MAX_SECONDS):  # (NaN fails too) beyond: Redis and Kubernetes refuse the value
+            raise ValueError(f"--timeout must be a number of seconds in (0, {MAX_SECONDS}], got {timeout}")
+        if not (MIN_LEASE_TTL <= lease_ttl <= MAX_SECONDS):  # shorter: a live controller's lease lapses between
+            raise ValueError(f"--lease-ttl must be a number of seconds in [{MIN_LEASE_TTL}, {MAX_SECONDS}], "
+                             f"got {lease_ttl} (a shorter lease lapses while its controller lives: another one "
+                             "would end its runs as controller_lost)")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from agl_common.settings import CommonSettings, engine_base_urls
+from agl_common.settings import CommonSettings, check_bind_host, engine_base_urls
 from agl_common.store import CALLS_PER_ATTEMPT_MAX, RECORD_BYTES_PER_ATTEMPT_MAX
 from pydantic import Field, field_validator
 
@@ -42,6 +42,11 @@ class GatewaySettings(CommonSettings):
     wait_timeout_ms: int = Field(default=1000, ge=0, description=(
         "how long to wait for them; fewer in time: 503 store_unavailable (the record may still exist)"))
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return check_bind_host(v)
 
     @field_validator("upstream")
     @classmethod

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, redacted_url
+from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, allowed_hosts, check_bind_host, redacted_url
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -289,10 +289,23 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
         err.print(f"[red]--tokenizer {escape(str(tokenizer))}: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
     try:
+        check_bind_host(host)
+    except ValueError as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
+    if runs_dir.exists() and not runs_dir.is_dir():
+        err.print(f"[red]--runs-dir {escape(str(runs_dir))}[/red] is a file, not a folder of run directories")
+        raise typer.Exit(2) from None
+    try:
         app_ = create_app(redis, prefix, runs_dir, decoder)
     except ValueError as exc:  # a Redis URL or prefix the Store refuses
         err.print(f"[red]invalid --redis / --prefix[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+    app_.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(host))  # no DNS rebinding on loopback
+    if not runs_dir.is_dir():
+        err.print(f"no folder {escape(str(runs_dir))} yet: the run list stays empty until a run writes there")
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redacted_url(redis)} "
                   f"prefix {prefix!r}; Ctrl-C stops it)", soft_wrap=True)
@@ -363,7 +376,7 @@ def rollouts_create(
 
 
 @rollouts_app.command("list")
-def rollouts_list(limit: int = typer.Option(100, help="show the latest this many (0: all)"),
+def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"),
                   run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
@@ -522,8 +535,13 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
 
     try:
         records = asyncio.run(main())
-        write(records, shape, fmt, out, sys.stdout.buffer)
-        sys.stdout.flush()
+        try:
+            write(records, shape, fmt, out, sys.stdout.buffer)
+            sys.stdout.flush()
+        except OSError as exc:  # --out not writable (/proc/x, a full disk: /dev/full)
+            err.print(f"[red]cannot write {escape(str(out) if out is not None else 'to stdout')}[/red]: "
+                      f"{escape(exc.strerror or str(exc))}")
+            raise typer.Exit(1) from None
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {escape(repr(rollout))}[/red]")
         raise typer.Exit(1) from None

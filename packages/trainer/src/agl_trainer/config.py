@@ -8,13 +8,12 @@ the held-out evaluations before and after; how they were chosen: docs/learning.m
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name, check_served_name
-from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_gateway_url, check_prefix,
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, command_argv, check_gateway_url, check_prefix,
                                  engine_base_urls, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -219,8 +218,7 @@ class TrainConfig(BaseModel):
     @field_validator("command")
     @classmethod
     def _command(cls, v: str) -> str:
-        if not shlex.split(v):  # (an unclosed quote: ValueError)
-            raise ValueError("command is empty")
+        command_argv(v)  # an unclosed quote, or no program: ValueError (whether it exists: the controller's check)
         return v
 
     @field_validator("preload")

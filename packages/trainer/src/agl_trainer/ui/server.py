@@ -27,6 +27,8 @@ from urllib.parse import quote
 from agl_common.settings import redacted_url
 from agl_common.store import RolloutNotFound, Store
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -95,6 +97,14 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
                           f"The dashboard reads rollouts and calls from Redis at {redis_url} (prefix {prefix!r}) and "
                           f"could not: {type(exc).__name__}: {str(exc).rstrip('.')}. Start Redis or pass --redis URL; run pages "
                           f"that only need {runs_dir} still work.")
+
+    @app.exception_handler(RequestValidationError)
+    async def on_bad_parameter(request: Request, exc: RequestValidationError):
+        if request.url.path.startswith("/api/"):  # API clients get FastAPI's JSON 422
+            return await request_validation_exception_handler(request, exc)
+        wrong = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'value'}: {e.get('msg', '')}"
+                          for e in exc.errors()[:3])
+        return error_page(request, 400, "Bad request", f"{request.url.path}: {wrong}.")
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
