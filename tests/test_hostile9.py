@@ -167,3 +167,20 @@ def test_the_dashboard_on_loopback_answers_only_loopback_names_and_bad_parameter
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_train_config_refuses_values_no_useful_run_uses():
+    """``clip_low: 5`` (the low side never clipped), ``lr: 1e300`` (also per role), ``tis_cap: 1e-300`` (every
+    token's weight ~0), ``lora_alpha: 10**12``, ``group_size: 1`` (every GRPO advantage 0): a run started with each."""
+    import pytest
+
+    from agl_trainer.config import TrainConfig
+
+    for data, field in (({"clip_low": 5}, "clip_low"), ({"clip_low": 1}, "clip_low"), ({"lr": 1e300}, "lr"),
+                        ({"tis_cap": 1e-300}, "tis_cap"), ({"lora_alpha": 10**12}, "lora_alpha"),
+                        ({"group_size": 1, "min_group_size": 1}, "group_size"),
+                        ({"roles": {"solver": {"models": ["a"], "lr": 1e300}}, "policy_serving": "adapter"}, "lr")):
+        with pytest.raises(ValueError, match=field):
+            TrainConfig.model_validate(data)
+    TrainConfig.model_validate({"clip_low": 0.28, "tis_cap": 2.0, "lr": 1e-3, "group_size": 2})
+    TrainConfig.model_validate({"roles": {"solver": {"models": ["a"], "lr": 1e-3}}, "policy_serving": "adapter"})

@@ -32,8 +32,9 @@ class RoleConfig(BaseModel):
                               "calls (each in one role only); a harness that cannot name models sends the "
                               "X-AGL-Role header instead")
     lora_rank: int | None = Field(None, ge=1, le=512, description="this role's LoRA rank (None: the run's lora_rank)")
-    lora_alpha: int | None = Field(None, ge=1, description="this role's LoRA alpha (None: the run's lora_alpha)")
-    lr: float | None = Field(None, gt=0, description="this role's learning rate (None: the run's lr)")
+    lora_alpha: int | None = Field(None, ge=1, le=4096,
+                                   description="this role's LoRA alpha (None: the run's lora_alpha)")
+    lr: float | None = Field(None, gt=0, le=1, description="this role's learning rate (None: the run's lr)")
 
     @field_validator("models")
     @classmethod
@@ -74,7 +75,7 @@ class TrainConfig(BaseModel):
                                             "this many minutes of training (evaluations excluded); None: run every "
                                             "step")
     groups_per_step: int = Field(8, ge=1, le=4096)
-    group_size: int = Field(8, ge=1, le=1024)
+    group_size: int = Field(8, ge=2, le=1024)  # (one rollout a group: every GRPO advantage is 0)
     eval_size: int = Field(256, ge=0, description="held-out inputs evaluated before and after training")
     eval_every: int = Field(4, ge=0, description="during training, evaluate the first eval_subset held-out inputs "
                             "every this many steps (0: never)")
@@ -100,13 +101,13 @@ class TrainConfig(BaseModel):
         "weighs the same whatever its rows and tokens), token-mean (every sampled token of the mini-batch), "
         "seq-mean-token-mean (every row)")
     min_group_size: int = Field(2, ge=1, description="train on a group only if this many rollouts succeeded")
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, le=1)
     lora_rank: int = Field(16, ge=1, le=512)
-    lora_alpha: int = Field(32, ge=1)
-    clip_low: float = Field(0.2, ge=0)
+    lora_alpha: int = Field(32, ge=1, le=4096)
+    clip_low: float = Field(0.2, ge=0, lt=1)  # (the ratio is clipped to [1 - clip_low, 1 + clip_high])
     clip_high: float = Field(0.2, ge=0)
     clip_c: float | None = Field(3.0, gt=1)
-    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap against the engine's "
+    tis_cap: float | None = Field(None, ge=1, description="truncated importance sampling cap against the engine's "
                                   "logprobs (None: PPO ratio against the engine's logprobs directly)")
     ppo_mini_batch_rollouts: int | None = Field(
         32, ge=1, description="rollouts per optimizer step: a step's batch is split by rollout (all rows of "
