@@ -38,7 +38,7 @@ def command_argv(command: str) -> list[str]:
 def check_bind_host(host: str) -> str:
     """Return ``host`` if it names one interface to listen on; ``ValueError`` for an empty or blank one (uvicorn
     reads ``""`` as every interface: an unset ``$HOST`` in ``--host "$HOST"`` would expose the service)."""
-    if not host.strip() or host != host.strip():
+    if not host or host != host.strip():
         raise ValueError(f"--host {host!r} names no interface: give 127.0.0.1, or 0.0.0.0 for every interface")
     return host
 

@@ -40,8 +40,6 @@ log = logging.getLogger("agl.controller")
 
 RewardFn = Callable[[dict[str, Any], str], float]
 
-#: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
-#: An entry matches the reason itself or any ``entry:...`` (``signal`` matches ``signal:15``).
 #: Times a rollout may be handed back by stopping controllers beyond its ``max_attempts`` (see ``hand_back``).
 HAND_BACKS_MAX = 8
 
@@ -74,6 +72,8 @@ def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return future
 
 
+#: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
+#: An entry matches the reason itself or any ``entry:...`` (``signal`` matches ``signal:15``).
 DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controller_lost", "evicted",
                     "deadline_exceeded", "job_lost")
 

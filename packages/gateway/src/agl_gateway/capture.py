@@ -202,15 +202,14 @@ def check(cap: Captured) -> str | None:
         if value is not None and (type(value) is not int or value < 0):
             return f"usage.{name} is not a count: {value!r:.40}"
     n = (cap.usage or {}).get("completion_tokens")
-    counted = n is not None
     p = (cap.usage or {}).get("prompt_tokens")
     if p is not None and p != len(cap.prompt_token_ids):
         return f"prompt token ids incomplete: {len(cap.prompt_token_ids)} of usage.prompt_tokens {p}"
-    if not cap.response_token_ids and (cap.said or not (counted and n == 0)):
+    if not cap.response_token_ids and (cap.said or n != 0):
         return ("response token ids missing: the engine returned none, and the reply holds text or no usage says "
                 "it is empty")
     sampled = len(cap.response_token_ids) if cap.sampled is None else cap.sampled
-    if counted and n != sampled:
+    if n is not None and n != sampled:
         return f"token ids incomplete: {sampled} of {n}"
     if cap.response_token_ids and cap.response_logprobs is None:
         return f"logprobs missing: not one per token id ({len(cap.response_token_ids)} ids)"

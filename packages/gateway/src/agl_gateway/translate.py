@@ -213,8 +213,8 @@ def check_responses(body: dict[str, Any]) -> None:
     """Raise ``ApiError`` 400 unless a Responses request is one this gateway translates faithfully: an
     ``input`` string or list of message / function_call / function_call_output / reasoning items, string
     ``instructions``, function tools only, no ``previous_response_id``, ``conversation`` or ``prompt`` (the
-    gateway keeps no conversation state nor stored prompts: send the whole conversation in ``input``), and ``top_logprobs``,
-    ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`)."""
+    gateway keeps no conversation state nor stored prompts: send the whole conversation in ``input``), and
+    ``top_logprobs``, ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`)."""
     what = "Responses"
     for field, defaults in _RESPONSES_DEFAULT_ONLY.items():
         if body.get(field) not in defaults:

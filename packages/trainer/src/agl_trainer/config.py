@@ -13,8 +13,8 @@ from typing import Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name, check_served_name
-from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, command_argv, check_gateway_url, check_prefix,
-                                 engine_base_urls, redacted_url, redacted_urls)
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_gateway_url, check_prefix,
+                                 command_argv, engine_base_urls, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
