@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/learning.py                      # run `agl-trainer demo --seed S` for seeds 0 1 2
     .venv/bin/python bench/learning.py --runs runs/demo/*   # read finished runs instead (their summary.json)
+    .venv/bin/python bench/learning.py --config examples/arithmetic/team.yaml   # the multi-call team, 3 seeds
 
 Prints held-out accuracy before → after per seed, the mean gain ± its standard error, minutes of training and
 where the time went, the load average, and writes ``accuracy_vs_minutes.png`` (every seed's curve of held-out
@@ -21,11 +22,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_seed(seed: int, out_dir: Path, extra: list[str]) -> Path:
-    """Run the demo with ``seed`` into ``out_dir``; returns its run directory. Raises ``CalledProcessError``."""
+def run_seed(seed: int, out_dir: Path, extra: list[str], config: Path | None = None) -> Path:
+    """Run the demo (or ``agl-trainer train config``) with ``seed`` into ``out_dir``; returns its run directory.
+    Raises ``CalledProcessError``."""
     before = set(out_dir.glob("*")) if out_dir.exists() else set()
-    subprocess.run([str(ROOT / ".venv/bin/agl-trainer"), "demo", "--seed", str(seed), "--out-dir", str(out_dir),
-                    *extra], check=True, cwd=ROOT)
+    if config is None:
+        argv = ["demo", "--seed", str(seed), "--out-dir", str(out_dir)]
+    else:  # the config's fields with this out_dir, written beside the runs
+        import yaml
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / config.name
+        path.write_text(yaml.safe_dump({**(yaml.safe_load(config.read_text()) or {}), "out_dir": str(out_dir)}))
+        argv = ["train", str(path), "--seed", str(seed)]
+    subprocess.run([str(ROOT / ".venv/bin/agl-trainer"), *argv, *extra], check=True, cwd=ROOT)
     (new,) = [p for p in out_dir.glob("*") if p not in before and p.is_dir()]
     return new
 
@@ -64,10 +74,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="*", type=Path, help="finished run directories to read instead of running")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    ap.add_argument("--config", type=Path, default=None, help="train this YAML (agl-trainer train) instead of the demo")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "runs/learning")
     ap.add_argument("--png", type=Path, default=None, help="default: OUT_DIR/accuracy_vs_minutes.png")
     args, extra = ap.parse_known_args()
-    dirs = args.runs if args.runs else [run_seed(s, args.out_dir, extra) for s in args.seeds]
+    dirs = args.runs if args.runs else [run_seed(s, args.out_dir, extra, args.config) for s in args.seeds]
     summaries = []
     for d in dirs:
         f = Path(d) / "summary.json"

@@ -219,9 +219,10 @@ TEAM_SCRIPT = {
     "birds": ["Let me think.", "It is {N} birds.", "{N}"],      # no number → retry → checker: 3 calls
     "pages": ["The answer is {W}.", "I get {N}."],              # solver wrong, the checker corrects: 2 calls
     "coins": ["Hmm.", "Hmm, well.", "I am not sure."],          # three replies without a number: 3 calls, no check
+    "cookies": ["It is {N} cookies.", "2 and 1 make {W}"],      # the checker's working is no verdict: solver's stands
 }
-TEAM_CALLS = {"apples": 1, "birds": 3, "pages": 2, "coins": 3}
-TEAM_REWARD = {"apples": 1.0, "birds": 1.0, "pages": 1.0, "coins": 0.0}
+TEAM_CALLS = {"apples": 1, "birds": 3, "pages": 2, "coins": 3, "cookies": 2}
+TEAM_REWARD = {"apples": 1.0, "birds": 1.0, "pages": 1.0, "coins": 0.0, "cookies": 1.0}
 
 
 def problems_with(words: list[str]) -> list[dict]:
@@ -274,6 +275,6 @@ async def test_team_agent_calls_vary_and_reward_comes_at_the_end(services, redis
         check_calls(calls, "chat", context)
         assert len(calls) == TEAM_CALLS[word], (word, context)
         checked = "check a student's answer" in _text(calls[-1].request["messages"][0]["content"])
-        assert checked == (word in ("birds", "pages")), (word, context)
+        assert checked == (word in ("birds", "pages", "cookies")), (word, context)
         assert r.reward == TEAM_REWARD[word], (word, r.input, context)
         assert build_rows(calls)  # every rollout gives a training row
