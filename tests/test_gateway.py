@@ -127,12 +127,13 @@ async def test_upstream_failures_map_to_502_504_and_are_recorded(store, redis_ur
     with gateway(redis_url, prefix, upstream.url, upstream_timeout_s=0.3) as gw:
         url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
         assert httpx.post(url, json={**MSG, "x_delay": 2}).status_code == 504
-        assert httpx.post(url, json={**MSG, "x_fail": "garbage"}).status_code == 200  # a dict, no token ids
+        r = httpx.post(url, json={**MSG, "x_fail": "garbage"})  # a dict without choices: no answer for the agent
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
         r = httpx.post(url, json={**MSG, "x_fail": "null"})
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
     calls = await store.read_calls("r1")
     assert [c.status for c in calls] == ["error", "error", "error", "error"]  # (the dict: never recorded as good)
-    assert "prompt token ids missing" in calls[2].error
+    assert "no choices" in calls[2].error
     assert calls[2].response_token_ids == []  # garbage answer: recorded, but yields no training row
 
 

@@ -165,9 +165,11 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
     said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
     shape = None
-    if first and route == "chat" and not isinstance(first.get("message"), dict):
+    if not first:
+        shape = "no choices: the agent got no answer"
+    elif route == "chat" and not isinstance(first.get("message"), dict):
         shape = "choice 0 holds no message object: the agent got no answer"
-    elif first and route == "completions" and not isinstance(first.get("text"), str):
+    elif route == "completions" and not isinstance(first.get("text"), str):
         shape = "choice 0 holds no text: the agent got no answer"
     return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said,
                     shape=shape)
@@ -181,20 +183,31 @@ def error_text(err: Any) -> str | None:
     return str(msg if msg is not None else err)[:300] or "error event"
 
 
-def check(cap: Captured) -> str | None:
-    """Why the capture must not become training data, or ``None``. In order: an error the engine reported
-    within its answer (a stream that failed mid-generation, an ``error`` beside the choices); a choice the agent
-    cannot read an answer from (a chat choice without ``message``, a completion without ``text``); no prompt token
-    ids; prompt ids other than ``usage.prompt_tokens`` counts; no response token ids while the reply holds text
-    or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
-    ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
-    choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
-    never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
-    or below :data:`LOGPROB_FLOOR`; no finish reason (a generation that did not end)."""
+def unreadable(cap: Captured) -> str | None:
+    """Why the agent can read no answer from the capture, or ``None``: an error the engine reported within its
+    answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, or a choice without
+    an answer (a chat choice without ``message``, a completion without ``text``); no finish reason (a generation
+    that did not end). Such an answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
     if cap.shape:
         return cap.shape
+    if not cap.finish_reason:  # None, or "" (a stream's "" was already None: one rule for both)
+        return "no finish reason: the generation did not end"
+    return None
+
+
+def check(cap: Captured) -> str | None:
+    """Why the capture must not become training data, or ``None``. In order: an answer the agent cannot read
+    (:func:`unreadable`); no prompt token ids; prompt ids other than ``usage.prompt_tokens`` counts; no response token ids while the reply holds text
+    or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
+    ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
+    choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
+    never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
+    or below :data:`LOGPROB_FLOOR`."""
+    why = unreadable(cap)
+    if why:
+        return why
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
     for name in ("prompt_tokens", "completion_tokens"):  # a count of another type would switch its check off
@@ -220,8 +233,6 @@ def check(cap: Captured) -> str | None:
     if bad_lp is not None:
         return (f"logprob {bad_lp!r} is not a log-probability of a sampled token (above 0, or at or below the "
                 f"engine's {LOGPROB_FLOOR} floor for -inf)")
-    if not cap.finish_reason:  # None, or "" (a stream's "" was already None: one rule for both)
-        return "no finish reason: the generation did not end"
     return None
 
 

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from fastapi.responses import Response, StreamingResponse
 
 from . import translate
-from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer
+from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, unreadable
 from .errors import ApiError, bad_request, store_down
 from .gate import GateClosed, HeldTooLong, TooManyHeld
 from .identity import Identity, caller_and_body, check_callable, header
@@ -243,6 +243,9 @@ class Call:
                     await write(st, rec)
                     relay.fail(aborted)
                     return None
+                # a stream the agent can read no answer from ends with an upstream error (a non-stream answer
+                # like it is one already: _complete); the engine's own error event has reached the agent
+                broken = None if relay is None or cap.error else unreadable(cap)
                 gone = relay is None and self.disconnected is not None and await self.disconnected()
                 # an answer the agent never received is not part of its trajectory (an SDK timeout then retries:
                 # two ok records for one turn): kept, as an error (a live stream's agent leaving: see _stream)
@@ -253,7 +256,10 @@ class Call:
                     time.perf_counter() - self.t_call - waited - upstream_s)
             finally:
                 st.gate.leave(who)
-            if relay is not None:
+            if broken:
+                relay.fail(ApiError(502, f"upstream engine sent no usable answer: {broken}"[:500], "server_error",
+                                    "upstream_error"))
+            elif relay is not None:
                 relay.end(tail + [DONE])
             return out
         raise ApiError(503, f"upstream aborted the request {MAX_ABORT_RETRIES} times", "server_error",
@@ -285,6 +291,9 @@ class Call:
             cap = capture_answer("completions" if spec.path == "/completions" else "chat", data)
             if cap.finish_reason in ABORTED:
                 return cap, None, None
+            why = unreadable(cap)
+            if why:
+                raise MalformedUpstream(why)
             answer = agent_view(spec.route, data, body)
             if spec.to_agent:
                 answer = spec.to_agent(answer, body)
