@@ -75,3 +75,119 @@ async def test_a_stream_the_agent_cannot_read_ends_with_an_upstream_error(store,
             assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]"), r.text[-300:]
             assert (await _last(store)).status == "ok"
     upstream.app.state.plan = None
+
+
+async def test_odd_chat_fields_and_other_choices_are_an_upstream_error(store, redis_url, prefix, upstream):
+    """Round 9 left open: on the chat route an answer with ``tool_calls: "oops"``, ``content: 7`` or a tool call
+    without a name passed through and was recorded ``ok`` (the translated routes answered 502), and with ``n > 1``
+    the choices after the recorded one were not looked at. Now each is a 502 and an error record."""
+    import copy
+
+    from fakes import chat_answer
+
+    await make_rollout(store, "r1")
+    good = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    cases = []
+    for field, value in (("tool_calls", "oops"), ("content", 7), ("tool_calls", [{"id": "t", "function": {}}]),
+                         ("tool_calls", [{"id": "t", "function": {"name": "f", "arguments": {"x": 1}}}])):
+        body = copy.deepcopy(good)
+        body["choices"][0]["message"][field] = value
+        cases.append((body, {}))
+    two = copy.deepcopy(good)
+    other = copy.deepcopy(two["choices"][0])
+    other.update(index=1, message="not a message")
+    two["choices"].append(other)
+    two["usage"]["completion_tokens"] *= 2
+    cases.append((two, {"n": 2}))
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for body, extra in cases:
+                upstream.app.state.plan = ("body", 200, orjson.dumps(body))
+                r = await _one(c, gw, extra)
+                assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", (body, r.text[:300])
+                assert (await _last(store)).status == "error"
+            upstream.app.state.plan = ("body", 200, orjson.dumps(good))
+            assert (await _one(c, gw)).status_code == 200 and (await _last(store)).status == "ok"
+    upstream.app.state.plan = None
+
+
+async def test_an_engine_status_other_than_200_is_no_answer(store, redis_url, prefix, upstream):
+    """Round 9 left open: an engine answering 201 or 206 with a body was read as its answer (recorded, passed on).
+    vLLM answers 200; any other status is the engine's error (502 naming it)."""
+    from fakes import chat_answer
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for status in (201, 206):
+                upstream.app.state.plan = ("body", status, orjson.dumps(chat_answer("up", [1, 2, 3], [5, 6, 2])))
+                r = await _one(c, gw)
+                assert r.status_code == 502 and str(status) in r.json()["error"]["message"], (status, r.text[:300])
+                assert (await _last(store)).status == "error"
+    upstream.app.state.plan = None
+
+
+async def test_a_later_attempt_is_not_called_stale_and_event_types_are_printable(store, redis_url, prefix,
+                                                                                  upstream):
+    """Round 9 left open: a reward (or call) for an attempt that has not started was answered "is stale"; an
+    event ``type`` could be empty or hold escape sequences (``\\x1b[31m``, a newline) that a terminal or log reader
+    would act on. The 409 keeps its code (``stale_attempt``) and says "has not started"; such types are 400."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/3/reward", json={"value": 1.0})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "stale_attempt", r.text
+            assert "has not started" in r.json()["error"]["message"], r.text
+            for bad in ("", "a\x1b[31m", "a\nb", "\x00"):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/events", json={"type": bad, "data": {}})
+                assert r.status_code == 400, (bad, r.status_code, r.text[:200])
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/events", json={"type": "tool: grep é", "data": {}})
+            assert r.status_code == 200, r.text
+
+
+async def test_an_anthropic_prefill_continues_the_assistant_turn(store, redis_url, prefix, upstream):
+    """Round 9 left open: a conversation ending in an assistant turn (Anthropic's prefill) was sent to the engine
+    as a finished turn followed by a new one (vLLM's default ``add_generation_prompt``), so the model answered
+    after the prefill instead of continuing it. Now the engine is asked to continue that turn (for the call and
+    for ``count_tokens``); a conversation ending in a user turn is sent as before."""
+    await make_rollout(store, "r1")
+    prefill = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"},
+                                                            {"role": "assistant", "content": "The answer is"}]}
+    plain = {**prefill, "messages": prefill["messages"][:1]}
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for body, continued in ((prefill, True), (plain, False)):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json=body)
+                assert r.status_code == 200, r.text[:300]
+                sent = upstream.app.state.calls[-1]
+                assert (sent.get("continue_final_message"), sent.get("add_generation_prompt")) == (
+                    (True, False) if continued else (None, None)), sent
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages/count_tokens", json=prefill)
+            assert r.status_code == 200, r.text[:300]
+
+
+def test_train_config_refuses_booleans_for_numbers_and_a_subset_past_the_eval(tmp_path, monkeypatch):
+    """Round 9 left open: ``steps: true`` trained 1 step (pydantic reads a boolean as 1), an ``eval_subset`` larger
+    than ``eval_size`` was cut down silently, and a field error came in pydantic's form (a line for the field, one
+    for the message, one with a URL). Now each is one line naming the field, exit 2, nothing run; a boolean field,
+    a small ``eval_size`` with the default subset, and YAML's string ``1e-3`` still load."""
+    from typer.testing import CliRunner
+
+    from agl_trainer import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda cfg, resume=None: ran.append(cfg))
+    config = tmp_path / "c.yaml"
+    for bad, field in (("steps: true", "steps"), ("groups_per_step: yes", "groups_per_step"),
+                       ("eval_size: 64\neval_subset: 100", "eval_subset"), ("concurrency: 0", "concurrency")):
+        config.write_text(bad + "\n")
+        result = CliRunner().invoke(cli.app, ["train", str(config)], terminal_width=1000)
+        assert result.exit_code == 2, (bad, result.output)
+        assert field in result.output and "errors.pydantic.dev" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert ran == []
+    for good in ("norm_by_std: false", "eval_size: 8", "lr: 1e-3", "eval_size: 0\neval_subset: 64"):
+        config.write_text(good + "\n")
+        result = CliRunner().invoke(cli.app, ["train", str(config)], terminal_width=1000)
+        assert result.exit_code == 0, (good, result.output)
+    assert len(ran) == 4

@@ -285,7 +285,7 @@ class EventIn(BaseModel):
     """Body of ``POST .../events``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: str = Field(max_length=EVENT_TYPE_MAX)
+    type: str = Field(min_length=1, max_length=EVENT_TYPE_MAX, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control chars
     data: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -154,6 +154,32 @@ class Captured:
     shape: str | None = None  # what choice 0 lacks for the agent to read an answer (no message, no text)
 
 
+def check_choice(route: str, choice: dict[str, Any]) -> None:
+    """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
+    object whose ``content`` is a string or null and whose ``tool_calls`` (if any) are objects with a
+    ``function`` of a non-empty ``name`` and string ``arguments``; on ``completions`` a string ``text`` (choice
+    0 without them is :attr:`Captured.shape`: recorded, no answer)."""
+    if route == "completions":
+        if not isinstance(choice.get("text"), str):
+            raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no text")
+        return
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no message object")
+    if message.get("content") is not None and not isinstance(message["content"], str):
+        raise MalformedUpstream("'message.content' is not a string")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise MalformedUpstream("'message.tool_calls' is not a list")
+    for tc in calls:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"] \
+                or not isinstance(fn.get("arguments"), str):
+            raise MalformedUpstream("a tool call in 'message.tool_calls' has no function name or string arguments")
+
+
 def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     """:class:`Captured` of a complete answer (``route``: ``"chat"`` or ``"completions"``, the engine's
     answer shape). Raises :class:`MalformedUpstream` for fields of the wrong type."""
@@ -171,6 +197,8 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
         shape = "choice 0 holds no message object: the agent got no answer"
     elif route == "completions" and not isinstance(first.get("text"), str):
         shape = "choice 0 holds no text: the agent got no answer"
+    for choice in choices[1:] if shape else choices:  # (choice 0 without an answer: recorded with its shape)
+        check_choice(route, choice)
     return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said,
                     shape=shape)
 

@@ -124,9 +124,19 @@ async def resolve_identity(request: Request, st: GatewayState, create: bool = Tr
     if key and not key_allows(key, presented, rid, aid):
         raise _bad_key()
     if aid != rollout.attempt_id:
-        raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (current attempt: {rollout.attempt_id})",
-                       "conflict_error", "stale_attempt")
+        raise not_current(rid, aid, rollout.attempt_id)
     return Identity(rid, aid, rollout)
+
+
+def not_current(rid: str, aid: str, current: str) -> ApiError:
+    """The 409 ``stale_attempt`` (CONTRACT §1) for attempt ``aid`` of rollout ``rid`` when ``current`` is the
+    rollout's attempt: an earlier attempt "is stale", a later one "has not started" (same code: neither may
+    call or report). Attempt ids are decimal strings."""
+    if aid.isdecimal() and current.isdecimal() and int(aid) > int(current):
+        state = f"has not started (current attempt: {current})"
+    else:
+        state = f"is stale (current attempt: {current})"
+    return ApiError(409, f"attempt {aid} of rollout {rid!r} {state}", "conflict_error", "stale_attempt")
 
 
 #: How many earlier attempts a scoped key is matched against when the headers name no attempt (retries are few).

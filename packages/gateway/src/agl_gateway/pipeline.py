@@ -36,7 +36,7 @@ from . import translate
 from .capture import Captured, MalformedUpstream, StreamCapture, agent_view, capture_answer, unreadable
 from .errors import ApiError, bad_request, store_down
 from .gate import GateClosed, HeldTooLong, TooManyHeld
-from .identity import Identity, caller_and_body, check_callable, header
+from .identity import Identity, caller_and_body, check_callable, header, not_current
 from .recording import check_room, fill, new_record, observe, write, write_failure
 from .state import GatewayState, state_of
 from .streaming import DONE, LiveRelay, RelayResponse, read_stream
@@ -279,8 +279,7 @@ class Call:
         except RedisError:
             raise store_down() from None
         if rollout.attempt_id != aid:
-            raise ApiError(409, f"attempt {aid} of rollout {rid!r} is stale (now {rollout.attempt_id})",
-                           "conflict_error", "stale_attempt")
+            raise not_current(rid, aid, rollout.attempt_id)
         check_callable(Identity(rid, aid, rollout))
 
     def _complete(self, data: dict[str, Any], sse: bool) -> tuple[Captured, dict[str, Any] | None, Any]:

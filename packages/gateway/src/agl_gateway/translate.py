@@ -274,7 +274,14 @@ def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"invalid Anthropic Messages request: {exc}") from None
     if req is None:
         raise bad_request("invalid Anthropic Messages request")
-    return dict(req)
+    req = dict(req)
+    messages = req.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") == "assistant":
+        # a prefill (Anthropic's way to start the answer): the engine continues that turn, it does not open a new
+        # one (vLLM's chat template options; the answer, like Anthropic's, holds only the continuation)
+        req["continue_final_message"], req["add_generation_prompt"] = True, False
+    return req
 
 
 def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:

@@ -61,11 +61,11 @@ def _engine_message(status: int, content: bytes) -> str:
 async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: bytes,
                       under_v1: bool = True) -> AsyncIterator[aiohttp.ClientResponse]:
     """POST ``payload`` (JSON bytes) to ``{engine}/v1{path}`` (``under_v1=False``: ``{engine}{path}``) and
-    yield the engine's 2xx response, body unread; released on exit.
+    yield the engine's 200 response, body unread; released on exit.
 
     Raises ``ApiError`` (also for failures while the caller reads the body inside the ``with``): 502
     ``upstream_unreachable`` (no engine could be connected to, or a connection broke), 504
-    ``upstream_timeout``, or :func:`engine_error` for a non-2xx answer.
+    ``upstream_timeout``, or :func:`engine_error` for any other status (a 201 or 206 too).
     """
     tried: set[str] = set()
     try:
@@ -84,7 +84,7 @@ async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: byt
             except aiohttp.ClientConnectorError:  # nothing was sent: the next engine may take it
                 st.engines.mark_down(base)
         try:
-            if resp.status >= 300:
+            if resp.status != 200:  # vLLM answers 200: a 201 or a 206 (a partial body, a proxy's) is not its answer
                 raise engine_error(resp.status, _engine_message(
                     resp.status, (await resp.content.read(ERROR_BYTES_MAX)) or b""))
             yield resp
@@ -100,7 +100,7 @@ async def engine_call(st: GatewayState, rollout_id: str, path: str, payload: byt
 async def call_json(st: GatewayState, rollout_id: str, path: str, body: dict[str, Any],
                     under_v1: bool = True) -> dict[str, Any]:
     """:func:`engine_call` for a complete JSON answer; returns it parsed. Raises ``ApiError`` as
-    :func:`engine_call` does, and 502 ``upstream_error`` for a 2xx answer that is not a JSON object or is over
+    :func:`engine_call` does, and 502 ``upstream_error`` for an answer that is not a JSON object or is over
     :data:`ANSWER_BYTES_MAX` bytes."""
     async with engine_call(st, rollout_id, path, orjson.dumps(body), under_v1) as resp:
         status, content = resp.status, await read_bounded(resp, ANSWER_BYTES_MAX)

@@ -140,7 +140,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
     from agl_common.settings import redacted_url
     from pydantic import ValidationError
 
-    from .config import TrainConfig
+    from .config import TrainConfig, describe_error
 
     try:
         cfg = TrainConfig.from_yaml(path)
@@ -150,7 +150,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
                              "the URL with --redis or AGL_REDIS_URL")
         return cfg
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(str(exc))}")
+        err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(describe_error(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -218,7 +218,7 @@ def demo(
     redis: str = RunRedisOpt, prefix: str = RunPrefixOpt,
 ):
     """The CPU main job: SmolLM2-135M + OpenAI Agents SDK arithmetic agent, eval → GRPO → eval."""
-    from .config import TrainConfig
+    from .config import TrainConfig, describe_error
 
     from pydantic import ValidationError
 
@@ -227,7 +227,7 @@ def demo(
     try:
         cfg = TrainConfig(**overrides, **_redis_overrides(redis, prefix))
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid option[/red]: {escape(str(exc))}")
+        err.print(f"[red]invalid option[/red]: {escape(describe_error(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     _run(_with_loggers(cfg, logger))
 

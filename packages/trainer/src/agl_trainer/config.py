@@ -8,8 +8,9 @@ the held-out evaluations before and after; how they were chosen: docs/learning.m
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from agl_common.schemas import Policy, check_role_name, check_served_name
@@ -44,6 +45,27 @@ class RoleConfig(BaseModel):
                 raise ValueError(f"a role's model name is 1 to 256 printable characters without surrounding spaces, "
                                  f"got {name!r:.80}")
         return v
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type annotation accepts a boolean (``bool``, ``bool | None``...)."""
+    return annotation is bool or bool in typing.get_args(annotation)
+
+
+def describe_error(exc: ValueError) -> str:
+    """One line for a config that does not validate: each pydantic error as ``field: message (got value)``,
+    joined by ``; `` (pydantic's own form takes 3 lines an error); any other ``ValueError`` as it says."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in ("value_error", "missing") else f" (got {e['input']!r:.40})"
+        parts.append(f"{where}: {msg}{got}" if where else f"{msg}{got}")
+    return "; ".join(parts)
 
 
 class TrainConfig(BaseModel):
@@ -159,6 +181,25 @@ class TrainConfig(BaseModel):
         "console, jsonl (metrics.jsonl, always written), tensorboard, wandb (offline unless WANDB_MODE), mlflow")
     engine_startup_timeout_s: float = Field(900.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        """``steps: true`` would be 1 (pydantic converts a boolean to a number): refused for every field that
+        takes no boolean."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+                    raise ValueError(f"{name}: {str(value).lower()} is a boolean, not a value of this field")
+        return data
+
+    @model_validator(mode="after")
+    def _subset_within_eval(self) -> "TrainConfig":
+        if "eval_subset" in self.model_fields_set and self.eval_size and self.eval_subset > self.eval_size:
+            raise ValueError(f"eval_subset ({self.eval_subset}) is larger than eval_size ({self.eval_size}): the "
+                             "evaluations during training take the first eval_subset of the eval_size inputs")
+        return self
 
     @model_validator(mode="after")
     def _group_can_be_trained(self) -> "TrainConfig":

@@ -41,7 +41,8 @@ async def count_tokens(request: Request):
     if policy.roles:
         route(policy, body, header(request, "x-agl-role"))
     payload = {"model": policy.model, "messages": chat["messages"],
-               **({"tools": chat["tools"]} if chat.get("tools") else {})}
+               **({"tools": chat["tools"]} if chat.get("tools") else {}),
+               **{k: chat[k] for k in ("continue_final_message", "add_generation_prompt") if k in chat}}
     count = (await call_json(st, ident.rollout_id, "/tokenize", payload, under_v1=False)).get("count")
     if type(count) is not int or count < 0:
         raise ApiError(502, "upstream engine could not count tokens", "server_error", "upstream_error")

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from ..errors import ApiError, bad_request, store_down
-from ..identity import Identity, caller_and_body, check_callable
+from ..identity import Identity, caller_and_body, check_callable, not_current
 from ..state import state_of
 
 router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
@@ -35,7 +35,7 @@ async def reward(request: Request):
 
     def change(r: Rollout) -> None:
         if r.attempt_id != ident.attempt_id:  # a retry started between the check and the write
-            raise ApiError(409, "attempt is stale", "conflict_error", "stale_attempt")
+            raise not_current(r.rollout_id, ident.attempt_id, r.attempt_id)
         if r.status in TERMINAL:
             raise ApiError(409, f"rollout {r.rollout_id!r} is {r.status.value}: its reward is final",
                            "conflict_error", "rollout_finished")
