@@ -191,3 +191,22 @@ def test_train_config_refuses_booleans_for_numbers_and_a_subset_past_the_eval(tm
         result = CliRunner().invoke(cli.app, ["train", str(config)], terminal_width=1000)
         assert result.exit_code == 0, (good, result.output)
     assert len(ran) == 4
+
+
+async def test_a_keyless_gateway_on_loopback_answers_only_loopback_host_names(store, redis_url, prefix, upstream):
+    """Round 6 left open: a gateway without a key answered any ``Host``, so a web page could read its ``GET``
+    answers (``/v1/models``, ``/openapi.json``) through DNS rebinding. Bound to a loopback address and keyless, it
+    now answers only ``127.0.0.1``/``localhost`` (as the dashboard does); with a key, the key guards it."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            port = gw.url.rsplit(":", 1)[1]
+            assert (await c.get(f"{gw.url}/v1/models", headers={"Host": "evil.example"})).status_code == 400
+            for name in ("127.0.0.1", "localhost"):
+                r = await c.get(f"{gw.url}/v1/models", headers={"Host": f"{name}:{port}"})
+                assert r.status_code == 200, (name, r.text)
+            assert (await _one(c, gw)).status_code == 200
+    with gateway(redis_url, prefix, upstream.url, key="k" * 32) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.get(f"{gw.url}/v1/models", headers={"Host": "evil.example"})
+            assert r.status_code == 401, r.text

@@ -10,8 +10,10 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
+from agl_common.settings import allowed_hosts
 from agl_common.store import Store
 from fastapi import FastAPI, Request
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match
 
 from .engines import Engines
@@ -155,6 +157,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
 
     app.add_middleware(RequestMetrics)
+    if not settings.key:  # keyless on loopback: only loopback Host names (a web page cannot read it by DNS rebinding)
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings.host))
     for family in (openai.router, anthropic.router, responses.router):
         app.include_router(family, prefix="/v1")
         app.include_router(family, prefix=ROLLOUT_PREFIX + "/v1")
