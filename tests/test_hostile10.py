@@ -210,3 +210,54 @@ async def test_a_keyless_gateway_on_loopback_answers_only_loopback_host_names(st
         async with httpx.AsyncClient(timeout=30) as c:
             r = await c.get(f"{gw.url}/v1/models", headers={"Host": "evil.example"})
             assert r.status_code == 401, r.text
+
+
+async def test_an_engine_that_cannot_swap_policies_is_refused_before_training():
+    """Round 9 left open: an ``engine_url`` without vLLM's ``/collective_rpc`` (no ``VLLM_SERVER_DEV_MODE``) or
+    without runtime LoRA loading failed the first weight swap with a traceback. ``check_engine`` finds it at start
+    (a ``GET`` is 405 where the ``POST`` route exists, 404 where it does not) and names what serves it."""
+    from fastapi import FastAPI
+    from fakes import Served
+
+    from agl_trainer.cycle import EngineError, check_engine
+
+    full = FastAPI()
+    for route in ("/collective_rpc", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        full.post(route)(lambda: {})
+    bare = FastAPI()
+    bare.post("/v1/load_lora_adapter")(lambda: {})
+    bare.post("/v1/unload_lora_adapter")(lambda: {})
+    with Served(full) as ok, Served(bare) as no_dev:
+        for serving in ("merged", "adapter"):
+            await check_engine(ok.url, serving)
+        await check_engine(no_dev.url, "adapter")
+        try:
+            await check_engine(f"{ok.url},{no_dev.url}", "merged")  # every engine of a list is checked
+        except EngineError as exc:
+            assert "/collective_rpc" in str(exc) and "VLLM_SERVER_DEV_MODE=1" in str(exc), exc
+        else:
+            raise AssertionError("an engine without /collective_rpc passed")
+    try:
+        await check_engine(ok.url, "merged")  # stopped now
+    except EngineError as exc:
+        assert "cannot be reached" in str(exc), exc
+    else:
+        raise AssertionError("an engine that is gone passed")
+
+
+def test_train_against_an_engine_without_swap_routes_is_one_line(upstream, redis_url, prefix, tmp_path):
+    """The CLI's side: ``agl-trainer train`` with an ``engine_url`` that serves chat but no swap routes (the
+    shared fake engine) exits 1 with one line naming the route, before any agent starts."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"engine_url": upstream.url.removesuffix("/v1"), "redis_url": redis_url,
+                                      "prefix": prefix, "out_dir": str(tmp_path / "runs"), "eval_size": 0}))
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(config)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr and "/collective_rpc" in out.stderr, out.stderr[-2000:]
+    assert len([ln for ln in out.stderr.splitlines() if ln.startswith("error:")]) == 1, out.stderr[-2000:]

@@ -97,6 +97,7 @@ def _check_task(cfg, train: bool = True) -> None:
 
 
 def _run(cfg, resume_dir: Path | None = None) -> None:
+    from .cycle import EngineError
     from .run import NotResumable, run_training
 
     _check_task(cfg)
@@ -109,6 +110,9 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")
         raise typer.Exit(130) from None
+    except EngineError as exc:  # an engine that cannot swap policies (checked at start), or refused a swap
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     except TimeoutError as exc:  # DrainTimeout included: a replica that never drains
         err.print(f"error: {exc}\nA gateway replica listed here is still heartbeating but not draining (a "
                   "gateway left from a killed run?): stop it, or wait 5 s after it dies, and resume with "

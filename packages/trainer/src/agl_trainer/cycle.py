@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
-from agl_common.settings import engine_base_urls
+from agl_common.settings import engine_base_urls, redacted_url
 from agl_common.store import Store
 
 from . import compute
@@ -22,6 +22,30 @@ from . import compute
 
 class EngineError(RuntimeError):
     """The engine refused or failed an adapter load/unload."""
+
+
+#: serving → the engine routes its policy swaps POST to, and what makes vLLM serve them (docs/deploy.md)
+SWAP_ROUTES = {"merged": (("/collective_rpc", "/reset_prefix_cache"), "VLLM_SERVER_DEV_MODE=1"),
+               "adapter": (("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
+                           "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")}
+
+
+async def check_engine(engine_url: str, serving: str) -> None:
+    """Check, before a run starts, that every engine of ``engine_url`` serves the routes ``serving`` (``merged``
+    or ``adapter``) swaps a policy with, so that an engine this run did not start cannot fail the first swap
+    after minutes of training. A ``GET`` answers 405 where the ``POST`` route exists and 404 where it does not.
+    Raises :class:`EngineError` naming the missing route and what serves it, or an engine that cannot be reached."""
+    routes, needs = SWAP_ROUTES[serving]
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in engine_urls(engine_url):
+            for route in routes:
+                try:
+                    status = (await http.get(url + route)).status_code
+                except httpx.HTTPError as exc:
+                    raise EngineError(f"engine {redacted_url(url)} cannot be reached: {type(exc).__name__}") from None
+                if status == 404:
+                    raise EngineError(f"engine {redacted_url(url)} has no {route}, which policy_serving: {serving} "
+                                      f"needs to swap policies: start vLLM with {needs} (docs/deploy.md)")
 
 
 def engine_urls(engine_url: str) -> list[str]:

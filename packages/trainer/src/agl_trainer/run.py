@@ -33,6 +33,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
     With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
     """
+    from .cycle import check_engine
     from .model import load_tokenizer
     from .services import Services
     from .stack import start_agents, start_engine
@@ -63,6 +64,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     with Services(run_dir / "logs") as svc:
         redis_url = svc.ensure_redis(cfg.redis_url)
         engine, base = start_engine(svc, cfg, console, lora=cfg.policy_serving == "adapter")
+        if cfg.engine_url:  # an engine this run did not start: can it swap policies? (before minutes of training)
+            asyncio.run(check_engine(engine, cfg.policy_serving))
         backend = cpu_backend(cfg, base, run_dir, engine)
         # before any agent can call it: the engine serves the saved policy (or the base one)
         asyncio.run(backend.serve(state["version"] if state else 0))
