@@ -261,3 +261,27 @@ def test_train_against_an_engine_without_swap_routes_is_one_line(upstream, redis
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "Traceback" not in out.stderr and "/collective_rpc" in out.stderr, out.stderr[-2000:]
     assert len([ln for ln in out.stderr.splitlines() if ln.startswith("error:")]) == 1, out.stderr[-2000:]
+
+
+def test_dry_run_reads_its_inputs_as_strictly_as_rollouts_create(tmp_path):
+    """Round 9 left open: ``agl-controller run --mode k8s --dry-run --input '{"cpu": NaN}'`` rendered
+    ``cpu: NaN`` (a manifest the API server refuses), where ``rollouts create`` refuses that input: the two
+    parsed inputs two ways. Both read it with ``agl_common.schemas.parse_input`` now: one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from agl_controller.cli import app
+    from agl_trainer.cli import app as trainer
+
+    tpl = tmp_path / "job.yaml.j2"
+    tpl.write_text("spec:\n  template:\n    spec:\n      containers:\n      - name: h\n        image: busybox\n"
+                   "        resources: {limits: {cpu: {{ input.cpu }}}}\n")
+    for bad in ('{"cpu": NaN}', '{"cpu": Infinity}', '{"cpu": 1e999}', "[1]", "{"):
+        res = CliRunner().invoke(app, ["run", "--mode", "k8s", "--dry-run", "--template", str(tpl), "--gateway",
+                                       "http://gw", "--input", bad])
+        assert res.exit_code == 2 and "NaN" not in res.stdout and "Traceback" not in res.output, (bad, res.output)
+        assert len(res.output.strip().splitlines()) == 1, (bad, res.output)
+        res = CliRunner().invoke(trainer, ["rollouts", "create", "--input", bad, "--redis", "redis://127.0.0.1:1/0"])
+        assert res.exit_code == 2, (bad, res.output)
+    res = CliRunner().invoke(app, ["run", "--mode", "k8s", "--dry-run", "--template", str(tpl), "--gateway",
+                                   "http://gw", "--input", '{"cpu": 2}'])
+    assert res.exit_code == 0 and "cpu: '2'" in res.output, res.output  # (a quantity, as the API server takes it)

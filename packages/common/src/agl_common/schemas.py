@@ -97,6 +97,21 @@ def check_attempt_id(attempt_id: str) -> str:
 MAX_JSON_DEPTH = 64
 
 
+def parse_input(text: str) -> dict[str, Any]:
+    """A rollout input given as JSON text (``rollouts create --input``, ``agl-controller run --dry-run --input``):
+    strict JSON, as the gateway reads bodies (``NaN``, ``Infinity`` and ``1e999`` are refused, never stored as
+    null or rendered into a manifest), an object, nested at most :data:`MAX_JSON_DEPTH` levels. Raises
+    ``ValueError`` saying why."""
+    import orjson
+
+    value = orjson.loads(text)  # (orjson.JSONDecodeError is a ValueError)
+    if not isinstance(value, dict):
+        raise ValueError("input must be a JSON object")
+    if too_deep(value):
+        raise ValueError(f"input nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
     stack = [(obj, 1)]

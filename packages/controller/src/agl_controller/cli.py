@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shlex
@@ -220,7 +219,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
              timeout: float, prefix: str, redis: str, inputs: list[str], input_templates: bool = False) -> int:
     """Print the manifests (YAML, ``---``-separated) for ``inputs`` or the queued rollouts; 0 if all valid."""
     import yaml
-    from agl_common.schemas import Rollout
+    from agl_common.schemas import Rollout, parse_input
 
     from .k8s import JobRenderer
 
@@ -231,9 +230,9 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
                            input_templates=input_templates)
     if inputs:
         try:
-            rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=json.loads(raw)) for i, raw in enumerate(inputs)]
-        except ValueError as exc:  # not JSON, not an object (pydantic's ValidationError is a ValueError)
-            typer.echo(f"--input: not a JSON object: {str(exc).splitlines()[0]}", err=True)
+            rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=parse_input(raw)) for i, raw in enumerate(inputs)]
+        except ValueError as exc:  # not strict JSON, not an object (as `rollouts create --input` refuses it)
+            typer.echo(f"--input: {str(exc).splitlines()[0]}", err=True)
             return 2
     else:
         from agl_common.store import Store

@@ -329,17 +329,11 @@ def rollouts_create(
     """Queue rollouts for the controller; prints their ids."""
     import uuid
 
-    from agl_common.schemas import MAX_JSON_DEPTH, Rollout, check_rollout_id, too_deep
+    from agl_common.schemas import Rollout, check_rollout_id, parse_input
 
-    import orjson
-
-    try:  # strict JSON, as the gateway reads bodies: NaN, Infinity and 1e999 are refused, never stored as null
-        inp = orjson.loads(input_json)
-        if not isinstance(inp, dict):
-            raise ValueError("input must be a JSON object")
-        if too_deep(inp):  # (the Rollout refuses it too; here it is a usage error)
-            raise ValueError(f"input nests JSON deeper than {MAX_JSON_DEPTH} levels")
-    except ValueError as exc:  # (orjson.JSONDecodeError is a ValueError)
+    try:
+        inp = parse_input(input_json)
+    except ValueError as exc:
         err.print(f"[red]invalid --input[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
     base = rollout_id or uuid.uuid4().hex[:12]
