@@ -227,8 +227,8 @@ def unreadable(cap: Captured) -> str | None:
 
 def check(cap: Captured) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an answer the agent cannot read
-    (:func:`unreadable`); no prompt token ids; prompt ids other than ``usage.prompt_tokens`` counts; no response token ids while the reply holds text
-    or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
+    (:func:`unreadable`); no prompt token ids; prompt ids other than ``usage.prompt_tokens`` counts; no response
+    token ids while the reply holds text or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
     ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
     choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
     never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
