@@ -285,3 +285,93 @@ def test_dry_run_reads_its_inputs_as_strictly_as_rollouts_create(tmp_path):
     res = CliRunner().invoke(app, ["run", "--mode", "k8s", "--dry-run", "--template", str(tpl), "--gateway",
                                    "http://gw", "--input", '{"cpu": 2}'])
     assert res.exit_code == 0 and "cpu: '2'" in res.output, res.output  # (a quantity, as the API server takes it)
+
+
+# ------------------------------------------------------------------ the round-10 prober's findings on the above
+
+
+async def test_an_empty_message_and_a_tool_call_finish_without_calls_are_no_answer(store, redis_url, prefix,
+                                                                                   upstream):
+    """A message ``{}`` with token ids became Anthropic ``content: []`` / Responses ``output: []``, recorded ``ok``;
+    ``finish_reason: "tool_calls"`` with ``tool_calls: []`` became ``stop_reason: "tool_use"`` with no tool use."""
+    from fakes import chat_answer
+
+    await make_rollout(store, "r1")
+    empty = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    empty["choices"][0]["message"] = {}
+    no_calls = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    no_calls["choices"][0].update(finish_reason="tool_calls")
+    no_calls["choices"][0]["message"].update(content=None, tool_calls=[])
+    routes = {"chat/completions": {"model": "m", "messages": [{"role": "user", "content": "3+4?"}]},
+              "messages": {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"}]},
+              "responses": {"model": "m", "input": "3+4?"}}
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for body in (empty, no_calls):
+                upstream.app.state.plan = ("body", 200, orjson.dumps(body))
+                for route, request in routes.items():
+                    r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", json=request)
+                    assert r.status_code == 502, (route, body["choices"][0], r.status_code, r.text[:300])
+                    assert (await _last(store)).status == "error"
+    upstream.app.state.plan = None
+
+
+async def test_a_stream_is_checked_as_a_complete_answer_and_an_empty_error_event_is_an_error(store, redis_url,
+                                                                                             prefix, upstream):
+    """A live stream with a tool call without a name was 200 and ``ok`` (the complete answer: 502); an engine
+    ``{"error": ""}`` event reached the agent as sent, which an OpenAI SDK reads past (it raises only for a truthy
+    ``error``), taking the cut answer for a whole one."""
+    from fakes import chat_chunks
+
+    await make_rollout(store, "r1")
+    role, *tokens, usage = chat_chunks("up", [1, 2, 3], [7, 8])
+    nameless = orjson.loads(tokens[-1][len(b"data: "):])
+    nameless["choices"][0].update(delta={"tool_calls": [{"index": 0, "id": "t", "function": {"arguments": "{}"}}]},
+                                  finish_reason="tool_calls")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            upstream.app.state.plan = ("stream", [role, tokens[0], b"data: " + orjson.dumps(nameless) + b"\n\n",
+                                                  usage], "done")
+            r = await _one(c, gw, {"stream": True})
+            assert "upstream_error" in r.text and "[DONE]" not in r.text, r.text[-400:]
+            assert (await _last(store)).status == "error"
+            for empty in (b'""', b"{}"):
+                upstream.app.state.plan = ("stream", [role, tokens[0], b'data: {"error": ' + empty + b"}\n\n"],
+                                           "done")
+                r = await _one(c, gw, {"stream": True})
+                events = [orjson.loads(line[len("data: "):]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                assert any(e.get("error") and e["error"].get("message") for e in events), r.text[-400:]
+                assert (await _last(store)).status == "error"
+    upstream.app.state.plan = None
+
+
+async def test_a_keyless_gateway_on_ipv6_loopback_answers_only_loopback_names(store, redis_url, prefix, upstream):
+    """``--host ::1`` was not taken for loopback (only ``127.*`` and ``localhost`` were): it answered any Host."""
+    from agl_common.settings import allowed_hosts
+
+    assert allowed_hosts("::1") == ["127.0.0.1", "[::1]", "localhost"]
+    assert allowed_hosts("0.0.0.0") == allowed_hosts("::") == allowed_hosts("gw.internal") == ["*"]
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url, host="::1") as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await c.get(f"{gw.url}/v1/models", headers={"Host": "evil.example"})).status_code == 400
+            assert (await c.get(f"{gw.url}/v1/models", headers={"Host": "[::1]:8080"})).status_code == 200
+
+
+def test_event_types_are_printable_and_role_numbers_are_not_booleans():
+    """Event types took C1 controls (``\\x9b``), bidi overrides, zero-width and line-separator characters and a lone
+    space; a role's ``lr: true`` was the largest learning rate (1.0), its ``lora_rank: true`` a rank of 1."""
+    import pytest
+    from agl_common.schemas import EventIn
+    from pydantic import ValidationError
+
+    from agl_trainer.config import TrainConfig
+
+    for bad in ("\x9b31m", "\u202eab", "a\u2028b", "\u200b", " "):
+        with pytest.raises(ValidationError):
+            EventIn(type=bad)
+    assert EventIn(type="tool: grep é").type == "tool: grep é"
+    for field in ("lr", "lora_rank", "lora_alpha"):
+        with pytest.raises(ValidationError, match=field):
+            TrainConfig(policy_serving="adapter", roles={"solver": {"models": ["s"], field: True}})

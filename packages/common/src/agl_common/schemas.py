@@ -300,8 +300,17 @@ class EventIn(BaseModel):
     """Body of ``POST .../events``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: str = Field(min_length=1, max_length=EVENT_TYPE_MAX, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control chars
+    type: str = Field(max_length=EVENT_TYPE_MAX)
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        """Printable text, not only spaces: no control, format (bidi overrides, zero-width) or line-separator
+        characters that a terminal or a log reader would act on (``str.isprintable``)."""
+        if not v.strip() or not v.isprintable():
+            raise ValueError(f"an event type is printable text, got {v!r:.60}")
+        return v
 
 
 #: A policy version number: 0 (the base model) and up, within a signed 64-bit integer (what msgpack, Parquet

@@ -44,15 +44,21 @@ def check_bind_host(host: str) -> str:
 
 
 #: Host header names a service bound to a loopback address answers (:func:`allowed_hosts`).
-LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
 def allowed_hosts(host: str) -> list[str]:
     """The ``Host`` header values a service bound to ``host`` answers (Starlette's ``TrustedHostMiddleware``): for
-    a loopback IPv4 bind (``127.x``, ``localhost``) only loopback names, so a web page cannot read it through DNS
+    a loopback bind (``127.x``, ``::1``, ``localhost``) only loopback names, so a web page cannot read it through DNS
     rebinding; for any other bind every name (``*``: it is reached by names this process cannot know)."""
-    if host == "localhost" or host.startswith("127."):
-        return sorted({*LOOPBACK_NAMES, host})
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        loopback = False
+    if loopback:  # (an IPv6 literal is named in brackets: Host: [::1]:8080)
+        return sorted({*LOOPBACK_NAMES, f"[{host}]" if ":" in host else host})
     return ["*"]
 
 

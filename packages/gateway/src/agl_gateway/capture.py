@@ -156,9 +156,10 @@ class Captured:
 
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
-    object whose ``content`` is a string or null and whose ``tool_calls`` (if any) are objects with a
-    ``function`` of a non-empty ``name`` and string ``arguments``; on ``completions`` a string ``text`` (choice
-    0 without them is :attr:`Captured.shape`: recorded, no answer)."""
+    object with a ``content`` (a string or null) or tool calls, whose ``tool_calls`` (if any) are objects with a
+    ``function`` of a non-empty ``name`` and string ``arguments``, and tool calls if its finish reason says so;
+    on ``completions`` a string ``text``. Complete answers and streams (:meth:`StreamCapture.result`) are checked
+    alike."""
     if route == "completions":
         if not isinstance(choice.get("text"), str):
             raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no text")
@@ -169,6 +170,10 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     if message.get("content") is not None and not isinstance(message["content"], str):
         raise MalformedUpstream("'message.content' is not a string")
     calls = message.get("tool_calls")
+    if "content" not in message and not calls:  # (translated: Anthropic `content: []`, Responses `output: []`)
+        raise MalformedUpstream("the message holds neither content nor tool calls")
+    if choice.get("finish_reason") == "tool_calls" and not calls:
+        raise MalformedUpstream("finish reason 'tool_calls' without a tool call")
     if calls is None:
         return
     if not isinstance(calls, list):
@@ -289,6 +294,8 @@ class StreamCapture:
         cap = self.cap
         if chunk.get("error") is not None:  # vLLM's error event (with choices too): the generation failed
             cap.error = error_text(chunk["error"])
+            if not chunk["error"]:  # "" or {}: an SDK raises only for a truthy error, and would read on
+                chunk = {**chunk, "error": {"message": cap.error, "type": "server_error", "code": None}}
             return chunk, 0
         self.first = self.first or chunk
         prompt = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids")
@@ -378,4 +385,8 @@ class StreamCapture:
         if too_deep(answer):  # the engine's own values (usage, ids) are in it: never a record no reader can read
             cap.error = cap.error or f"the stream's answer nests JSON deeper than {MAX_JSON_DEPTH} levels"
             return cap, None
+        try:  # what a complete answer must be, a stream must amount to (a nameless tool call: no answer)
+            check_choice("chat", answer["choices"][0])
+        except MalformedUpstream as exc:
+            cap.shape = cap.shape or str(exc)
         return cap, answer

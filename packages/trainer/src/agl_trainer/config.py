@@ -23,7 +23,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_ROLES = 16
 
 
-class RoleConfig(BaseModel):
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type annotation accepts a boolean (``bool``, ``bool | None``...)."""
+    return annotation is bool or bool in typing.get_args(annotation)
+
+
+class _NoBooleanNumbers(BaseModel):
+    """A config whose number fields refuse booleans: ``steps: true`` (or a role's ``lr: true``) would be 1, as
+    pydantic converts a boolean to a number."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+                    raise ValueError(f"{name}: {str(value).lower()} is a boolean, not a value of this field")
+        return data
+
+
+class RoleConfig(_NoBooleanNumbers):
     """One role of a multi-agent harness (a sub-agent with its own policy): how the gateway recognizes its
     calls, and its LoRA settings where they differ from the run's."""
 
@@ -47,11 +67,6 @@ class RoleConfig(BaseModel):
         return v
 
 
-def _takes_bool(annotation: Any) -> bool:
-    """Whether a field of this type annotation accepts a boolean (``bool``, ``bool | None``...)."""
-    return annotation is bool or bool in typing.get_args(annotation)
-
-
 def describe_error(exc: ValueError) -> str:
     """One line for a config that does not validate: each pydantic error as ``field: message (got value)``,
     joined by ``; `` (pydantic's own form takes 3 lines an error); any other ``ValueError`` as it says."""
@@ -68,7 +83,7 @@ def describe_error(exc: ValueError) -> str:
     return "; ".join(parts)
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(_NoBooleanNumbers):
     """Units: seconds for ``*_s``, tokens for ``*_tokens``."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -181,18 +196,6 @@ class TrainConfig(BaseModel):
         "console, jsonl (metrics.jsonl, always written), tensorboard, wandb (offline unless WANDB_MODE), mlflow")
     engine_startup_timeout_s: float = Field(900.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        """``steps: true`` would be 1 (pydantic converts a boolean to a number): refused for every field that
-        takes no boolean."""
-        if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name)
-                if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
-                    raise ValueError(f"{name}: {str(value).lower()} is a boolean, not a value of this field")
-        return data
 
     @model_validator(mode="after")
     def _subset_within_eval(self) -> "TrainConfig":
