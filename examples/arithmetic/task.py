@@ -76,10 +76,15 @@ def heldout_problems() -> list[dict]:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def numbers(text: str) -> list[float]:
+    """Every number in ``text``, in order (``"3 + 4 = 7."`` → ``[3.0, 4.0, 7.0]``)."""
+    return [float(x) for x in _NUMBER.findall(text or "")]
+
+
 def final_number(text: str) -> float | None:
     """The last number in ``text``, or None (lenient: "3 + 4 = 7." and "The answer is 7" both give 7)."""
-    found = _NUMBER.findall(text or "")
-    return float(found[-1]) if found else None
+    found = numbers(text)
+    return found[-1] if found else None
 
 
 def reward(task: dict, output: str) -> float:

@@ -42,14 +42,13 @@ from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).parent))
-from task import final_number, report  # noqa: E402
+from task import final_number, numbers, report  # noqa: E402
 
 SOLVER = "You solve short arithmetic word problems. Think briefly, then give the answer as a number."
 RETRY = "Give the answer as a number."
 CHECKER = ("You check a student's answer to an arithmetic word problem. Work it out yourself, then reply with "
            "only the correct final number.")
 _BARE = re.compile(r"\s*-?\d+(?:\.\d+)?\s*\.?\s*")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def is_bare_number(text: str) -> bool:
@@ -60,8 +59,8 @@ def is_bare_number(text: str) -> bool:
 def verdict(text: str) -> float | None:
     """The checker's verdict: the number of a reply that holds exactly one (``"7"``, ``"The answer is 7."``),
     else None (no number, or several: working, whose last number need not be the answer)."""
-    found = _NUMBER.findall(text or "")
-    return float(found[0]) if len(found) == 1 else None
+    found = numbers(text)
+    return found[0] if len(found) == 1 else None
 
 
 async def solve(question: str, max_tokens: int = 64, retries: int = 1, solver_model: str | None = None,

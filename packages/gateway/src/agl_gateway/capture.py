@@ -151,7 +151,7 @@ class Captured:
     usage: dict[str, Any] | None = None
     error: str | None = None
     said: bool = False  # choice 0 holds text or tool calls (then it cannot have come from no token ids)
-    shape: str | None = None  # what choice 0 lacks for the agent to read an answer (no message, no text)
+    shape: str | None = None  # why the agent can read no answer (no choices; a stream that fails check_choice)
 
 
 def check_choice(route: str, choice: dict[str, Any]) -> None:
@@ -195,15 +195,9 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     first = choices[0] if choices else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
     said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
-    shape = None
-    if not first:
-        shape = "no choices: the agent got no answer"
-    elif route == "chat" and not isinstance(first.get("message"), dict):
-        shape = "choice 0 holds no message object: the agent got no answer"
-    elif route == "completions" and not isinstance(first.get("text"), str):
-        shape = "choice 0 holds no text: the agent got no answer"
-    for choice in choices[1:] if shape else choices:  # (choice 0 without an answer: recorded with its shape)
+    for choice in choices:
         check_choice(route, choice)
+    shape = None if first else "no choices: the agent got no answer"
     return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said,
                     shape=shape)
 
@@ -219,7 +213,7 @@ def error_text(err: Any) -> str | None:
 def unreadable(cap: Captured) -> str | None:
     """Why the agent can read no answer from the capture, or ``None``: an error the engine reported within its
     answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, or a choice without
-    an answer (a chat choice without ``message``, a completion without ``text``); no finish reason (a generation
+    an answer (a stream whose answer fails :func:`check_choice`; a complete one raises there); no finish reason (a generation
     that did not end). Such an answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
@@ -233,9 +227,9 @@ def unreadable(cap: Captured) -> str | None:
 def check(cap: Captured) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an answer the agent cannot read
     (:func:`unreadable`); no prompt token ids; prompt ids other than ``usage.prompt_tokens`` counts; no response
-    token ids while the reply holds text or ``usage`` does not say it was empty; token ids that do not add up to the engine's own
-    ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts every
-    choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
+    token ids while the reply holds text or ``usage`` does not say it was empty; token ids that do not add up to
+    the engine's own ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts
+    every choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
     never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
     or below :data:`LOGPROB_FLOOR`."""
     why = unreadable(cap)

@@ -70,7 +70,7 @@ def _with_loggers(cfg, loggers: list[str] | None):
     try:
         if loggers:
             names = [n.strip() for item in loggers for n in item.split(",") if n.strip()]
-            cfg = type(cfg).model_validate({**cfg.model_dump(exclude_unset=True), "loggers": check_trackers(names)})
+            cfg = cfg.with_fields(loggers=check_trackers(names))
         check_trackers(cfg.loggers)
     except (ValueError, ValidationError, TrackerMissing) as exc:
         err.print(f"error: {exc}", soft_wrap=True, markup=False, highlight=False)
@@ -148,7 +148,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
 
     try:
         cfg = TrainConfig.from_yaml(path)
-        cfg = TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **overrides}) if overrides else cfg
+        cfg = cfg.with_fields(**overrides) if overrides else cfg
         if uses_redis and "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # password "***"
             raise ValueError("its Redis URL has the password hidden (***, as a run's config.json shows it): give "
                              "the URL with --redis or AGL_REDIS_URL")

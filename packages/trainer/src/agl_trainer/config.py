@@ -238,6 +238,13 @@ class TrainConfig(_NoBooleanNumbers):
                              "docs/verl.md)")
         return self
 
+    def with_fields(self, **changes: Any) -> "TrainConfig":
+        """This config with ``changes`` applied, validated again (overrides from the command line, the verl
+        entry point's backend). Only the fields the user set are carried over, so a default stays a default
+        (``eval_subset`` is checked against ``eval_size`` only where a user set it). Raises
+        ``pydantic.ValidationError``."""
+        return type(self).model_validate({**self.model_dump(exclude_unset=True), **changes})
+
     def shown(self) -> dict:
         """The config as JSON-able data for what is written or shown (a run's ``config.json``, trackers, the
         dashboard): the password of the Redis URL (in its user part or a ``?password=`` query) and of the engine

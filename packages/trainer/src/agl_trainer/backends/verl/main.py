@@ -79,7 +79,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from .adapter import engine_upstream
     from .trainer import VerlBackend, cpu_env, init_ray
 
-    cfg = TrainConfig.model_validate({**TrainConfig.from_yaml(config_path).model_dump(exclude_unset=True), "backend": "verl"})
+    cfg = TrainConfig.from_yaml(config_path).with_fields(backend="verl")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     state = load_checkpoint(run_dir) if resume else None
