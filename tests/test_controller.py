@@ -77,6 +77,25 @@ async def test_timeout_kills_the_whole_process_group(store, gateway_url, tmp_pat
     assert not alive(grandchild)
 
 
+async def test_a_run_whose_log_passes_the_limit_is_stopped(store, gateway_url, tmp_path):
+    """A harness printing in a loop would fill the disk over a long run: past ``max_log_bytes`` the run is stopped
+    (failure ``log_limit``, a failure of the agent's own, not retried) long before its timeout; a run that logs
+    less is untouched."""
+    t0 = asyncio.get_running_loop().time()
+    out = await run(store, gateway_url, tmp_path, {"loud": {"calls": 1, "reward": 1.0, "spew": True},
+                                                   "quiet": {"calls": 1, "reward": 1.0}},
+                    timeout_s=60, max_log_bytes=256 * 1024, max_attempts=2)
+    assert (out["loud"].status, out["loud"].failure) == (RolloutStatus.failed, "log_limit")
+    assert out["loud"].attempt_id == "0"  # not an infrastructure failure: not retried
+    assert out["quiet"].status == RolloutStatus.succeeded
+    assert asyncio.get_running_loop().time() - t0 < 30
+    log_text = (tmp_path / "logs" / "loud.0.log").read_bytes()
+    assert 256 * 1024 < len(log_text) < 256 * 1024 + 200 and log_text.startswith(b"x" * 1023)
+    assert log_text.rstrip().endswith(b"log cut at 262144 bytes; the run was stopped: log_limit]")
+    with pytest.raises(ValueError, match="max_log_bytes"):
+        LocalRunner(store, gateway_url, HARNESS, "m", max_log_bytes=0)
+
+
 async def test_reward_function_when_the_harness_posts_none(store, gateway_url, tmp_path):
     out = await run(store, gateway_url, tmp_path, {"a": {"calls": 1, "answer": 7}},
                     reward_fn="agl_controller.local:final_output")  # any callable; checked below

@@ -5,7 +5,8 @@ after spawning a grandchild that sleeps too), env_out (write the environment the
 "rollout attempt pid" to that file at start), reward_after_sleep (post the reward after sleeping, not before; status_out: write the answer's status
 code there), kill_self (send this signal to itself after the calls), first_attempt (fields that override
 the others on attempt 0 only), kill_parent (SIGKILL the process that started it: with --preload, the
-forkserver), on_term (exit with this code on SIGTERM, as harnesses that trap it do).
+forkserver), on_term (exit with this code on SIGTERM, as harnesses that trap it do), spew (after the calls, print
+lines to stdout for ever: a harness in a print loop).
 """
 
 import json
@@ -38,6 +39,9 @@ for _ in range(task.get("calls", 1)):
     r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=headers, timeout=30,
                    json={"model": os.environ["AGL_MODEL"], "messages": [{"role": "user", "content": "hi"}]})
     r.raise_for_status()
+if task.get("spew"):
+    while True:
+        print("x" * 1023, flush=True)
 if task.get("kill_self"):
     os.kill(os.getpid(), task["kill_self"])
     time.sleep(10)

@@ -82,7 +82,7 @@ DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controlle
 #: ``exit_code:3``, ``job_failed:BackoffLimitExceeded``).
 FAILURE_REASONS = ("timeout", "exit_code", "signal", "oom_killed", "spawn_error", "template_error", "image_pull",
                    "controller_lost", "evicted", "deadline_exceeded", "job_failed", "job_lost", "no_model_calls",
-                   "no_reward", "reward_error", "controller_error")
+                   "no_reward", "reward_error", "controller_error", "log_limit")
 
 
 def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
-from .local import NEVER_PASSED
+from .local import DEFAULT_MAX_LOG_BYTES, NEVER_PASSED
 
 #: the longest --timeout / --lease-ttl (s): Redis takes a lease in ms, Kubernetes an int32 deadline
 MAX_SECONDS = 10**7
@@ -55,6 +55,9 @@ def run(
                                           help="the reward function scores every run, replacing a reward the "
                                                "harness posted (default: only runs that posted none)"),
     log_dir: str = typer.Option("runs/logs", envvar="AGL_LOG_DIR"),
+    max_log_bytes: int = typer.Option(DEFAULT_MAX_LOG_BYTES, envvar="AGL_MAX_LOG_BYTES", min=1,
+                                      help="local: most bytes of one run's log; past it the run is stopped, "
+                                           "failure log_limit"),
     max_attempts: int = typer.Option(1, envvar="AGL_MAX_ATTEMPTS", min=1, help="attempts per rollout (1: no retry)"),
     retry_on: str = typer.Option(",".join(DEFAULT_RETRY_ON), envvar="AGL_RETRY_ON",
                                  help="comma-separated failure reasons that are retried"),
@@ -173,7 +176,8 @@ def run(
             from .local import LocalRunner
 
             runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
-                                 log_dir=log_dir, preload=_csv(preload), pass_env=_csv(pass_env), **common)
+                                 log_dir=log_dir, preload=_csv(preload), pass_env=_csv(pass_env),
+                                 max_log_bytes=max_log_bytes, **common)
         else:
             from .k8s import K8sRunner, load_api_client
 

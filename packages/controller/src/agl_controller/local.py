@@ -57,6 +57,10 @@ BASE_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE",
 
 #: Never passed to a harness, whatever ``pass_env`` names (``AGL_*`` or ``*`` too): the admin key and the Redis URL.
 NEVER_PASSED = frozenset({"AGL_KEY", "AGL_REDIS_URL"})
+#: Default most bytes of one attempt's log (stdout and stderr): past it the run is stopped, failure ``log_limit``.
+DEFAULT_MAX_LOG_BYTES = 64 * 2**20
+#: Seconds between two checks of a running attempt's log size.
+LOG_CHECK_S = 0.25
 
 
 def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
@@ -140,6 +144,11 @@ class LocalRunner(Runner):
             :class:`agl_controller.base.Runner`.
         preload: Python modules to import once and fork each run from (:mod:`agl_controller.spawn`);
             empty: exec the command for each run.
+        max_log_bytes: most bytes an attempt's log may hold (stdout and stderr together); a run whose log grows
+            past it (a harness printing in a loop would fill the disk over a long run) is stopped (its process
+            group gets SIGKILL) and fails ``log_limit``; its log is then cut to ``max_log_bytes`` and ends with a
+            line saying so. The size is checked every :data:`LOG_CHECK_S` seconds: until the stop, the file may
+            pass the limit by what the harness writes in that time.
 
     Raises :class:`agl_controller.spawn.LaunchError` if ``preload`` is set for a command it cannot fork.
     """
@@ -150,7 +159,7 @@ class LocalRunner(Runner):
                  extra_env: dict[str, str] | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
                  lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = (),
-                 reward_fn_always: bool = False):
+                 reward_fn_always: bool = False, max_log_bytes: int = DEFAULT_MAX_LOG_BYTES):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
                          controller_id=controller_id, lease_ttl_s=lease_ttl_s, reward_fn_always=reward_fn_always,
                          reward_timeout_s=timeout_s)  # a reward function gets a run's time at most
@@ -159,6 +168,9 @@ class LocalRunner(Runner):
         self.model = model
         self.concurrency = concurrency
         self.timeout_s = timeout_s
+        if not (isinstance(max_log_bytes, int) and max_log_bytes > 0):
+            raise ValueError(f"max_log_bytes must be a positive number of bytes, got {max_log_bytes!r}")
+        self.max_log_bytes = max_log_bytes
         self.key = key
         # resolved once: a reward function (run in a thread of this process) that changes the process's working
         # directory must not move where later runs start or log
@@ -240,6 +252,31 @@ class LocalRunner(Runner):
         finally:
             self._sem.release()
 
+    async def _watch(self, proc, waiter: asyncio.Future, log_path: Path, t0: float) -> str | None:
+        """Wait for the run to end: its failure (:func:`_outcome`), ``timeout`` past ``timeout_s`` or ``log_limit``
+        once its log holds more than ``max_log_bytes`` (both: the process group is killed first)."""
+        while True:
+            left = self.timeout_s - (time.monotonic() - t0)
+            if left <= 0:
+                failure = "timeout"
+                break
+            with contextlib.suppress(TimeoutError):
+                return _outcome(await asyncio.wait_for(asyncio.shield(waiter), timeout=min(left, LOG_CHECK_S)))
+            with contextlib.suppress(OSError):
+                if log_path.stat().st_size > self.max_log_bytes:
+                    failure = "log_limit"
+                    break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await waiter
+        if failure == "log_limit":  # what it wrote past the limit before the check saw it is cut, and said so
+            with contextlib.suppress(OSError), open(log_path, "r+b") as f:
+                f.truncate(self.max_log_bytes)
+                f.seek(0, os.SEEK_END)
+                f.write(f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was stopped: "
+                        "log_limit]\n".encode())
+        return failure
+
     async def run_one(self, rollout_id: str) -> Rollout | None:
         """Run one claimed rollout's current attempt to its end and write back status, failure and reward.
 
@@ -269,12 +306,7 @@ class LocalRunner(Runner):
         t0 = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         try:
-            failure = _outcome(await asyncio.wait_for(asyncio.shield(waiter), timeout=self.timeout_s))
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await waiter
-            failure = "timeout"
+            failure = await self._watch(proc, waiter, log_path, t0)
         finally:
             self._procs.pop(rollout_id, None)
             # Reap anything the harness left behind in its group.
