@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agl_common.schemas import Policy, policy_name
+from agl_common.schemas import Policy, policy_name, policy_version
 
 #: stats averaged over the updated roles (weighted by their rows); the other numeric stats are summed
 MEAN_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "ratio_first", "clip_frac_first", "entropy", "kl")
@@ -128,9 +128,9 @@ class RolesBackend:
 def saved_versions(out_dir: Path, role: str) -> list[int]:
     """The versions of ``role`` with a complete adapter saved in ``out_dir`` (``policy-v{v}-{role}`` holding
     ``adapter_config.json``: a directory left half-written by a kill is not one), ascending."""
-    pattern = re.compile(rf"policy-v(\d+)-{re.escape(role)}")
-    return sorted(int(m[1]) for p in Path(out_dir).glob(f"policy-v*-{role}")
-                  if (m := pattern.fullmatch(p.name)) and (p / "adapter_config.json").is_file())
+    return sorted(v for p in Path(out_dir).glob(f"policy-v*-{role}")
+                  if (v := policy_version(p.name)) is not None and p.name == policy_name(v, role)
+                  and (p / "adapter_config.json").is_file())
 
 
 def newest_saved(out_dir: Path, role: str, version: int) -> int:
