@@ -210,17 +210,26 @@ def error_text(err: Any) -> str | None:
     return str(msg if msg is not None else err)[:300] or "error event"
 
 
+#: Finish reasons of a generation that ended as an answer: OpenAI's, and vLLM's ``repetition`` (its repetition
+#: detector stopped a sampled reply). vLLM's ``abort`` (the request was aborted: a cut generation) and ``error``
+#: (an internal failure) are not, nor is any other string.
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "repetition"})
+
+
 def unreadable(cap: Captured) -> str | None:
     """Why the agent can read no answer from the capture, or ``None``: an error the engine reported within its
     answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, or a choice without
     an answer (a stream whose answer fails :func:`check_choice`; a complete one raises there); no finish reason (a generation
-    that did not end). Such an answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
+    that did not end), or one not in :data:`FINISH_REASONS` (vLLM's ``abort`` or ``error``, an unknown one). Such an
+    answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
     if cap.shape:
         return cap.shape
     if not cap.finish_reason:  # None, or "" (a stream's "" was already None: one rule for both)
         return "no finish reason: the generation did not end"
+    if cap.finish_reason not in FINISH_REASONS:
+        return f"finish reason {cap.finish_reason!r:.40}: the generation did not end as an answer"
     return None
 
 
