@@ -134,7 +134,7 @@ async def test_collocated_cycle_resumes_when_the_drain_times_out(store, redis_ur
             slow = asyncio.create_task(c.post(url, json={**MSG, "x_delay": 3.0}))
             while not upstream.app.state.calls:
                 await asyncio.sleep(0.02)
-            with pytest.raises(DrainTimeout):
+            with pytest.raises(DrainTimeout, match=r"\(1 in flight\)"):  # why it did not drain: a call
                 await backend_cycle(store, NoUpdate(), 1, [], [], drain_timeout_s=0.2)
             assert (await asyncio.wait_for(c.post(url, json=MSG), 30)).status_code == 200
             await slow

@@ -40,3 +40,229 @@ async def test_a_finish_reason_that_is_no_answer_is_an_upstream_error(store, red
             r = await _one(c, gw)
             assert r.status_code == 200 and (await _last(store)).status == "ok", r.text[:300]
     upstream.app.state.plan = None
+
+
+def _two_choices(finish_1: str | None) -> dict:
+    """A chat answer of two choices (choice 1 a copy of choice 0 ending with ``finish_1``), usage counting both."""
+    import copy
+
+    from fakes import chat_answer
+
+    body = chat_answer("up", [1, 2, 3], [5, 6, 2])
+    second = copy.deepcopy(body["choices"][0])
+    second.update(index=1, finish_reason=finish_1)
+    second["message"]["content"] = "INJECTED"
+    body["choices"].append(second)
+    body["usage"]["completion_tokens"] *= 2
+    return body
+
+
+async def test_every_choice_must_be_asked_for_and_end_as_an_answer(store, redis_url, prefix, upstream):
+    """The prober (round 11): a second choice nobody asked for reached the agent (the Anthropic and Responses
+    routes merged it into the one message: text the recorded sample never produced), recorded ``ok``; with
+    ``n: 2`` a choice 1 without a finish reason, or aborted by a weight update, was a 200 too. Now the number of
+    choices must be the request's ``n`` and every choice must end as an answer (502, an error record); an aborted
+    choice is retried as an aborted choice 0 is (503 after the retries); ``n: 2`` done right is still ``ok``."""
+    await make_rollout(store, "r1")
+    anthropic = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"}]}
+    responses = {"model": "m", "input": "3+4?", "max_output_tokens": 16}
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            upstream.app.state.plan = ("body", 200, orjson.dumps(_two_choices("stop")))
+            for path, body in (("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+                               ("messages", anthropic), ("responses", responses)):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{path}", json=body)
+                assert r.status_code == 502 and "INJECTED" not in r.text, (path, r.status_code, r.text[:300])
+                rec = await _last(store)
+                assert rec.status == "error" and "2 choices for a request of n=1" in rec.error, (path, rec.error)
+            for finish, status, word in ((None, 502, "no finish reason (choice 1)"),
+                                         ("banana", 502, "finish reason 'banana' (choice 1)"),
+                                         ("abort", 503, "aborted")):
+                upstream.app.state.plan = ("body", 200, orjson.dumps(_two_choices(finish)))
+                r = await _one(c, gw, {"n": 2})
+                assert r.status_code == status, (finish, r.status_code, r.text[:300])
+                rec = await _last(store)
+                assert rec.status == "error" and word in rec.error, (finish, rec.error)
+            upstream.app.state.plan = ("body", 200, orjson.dumps(_two_choices("length")))
+            r = await _one(c, gw, {"n": 2})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text[:300]
+            assert (await _last(store)).status == "ok"
+    upstream.app.state.plan = None
+
+
+def test_gateway_settings_read_from_the_environment_are_checked(redis_url):
+    """The prober: ``AGL_UPSTREAM_TIMEOUT_S=0`` (or -5, nan) gave aiohttp no timeout at all (a hung engine held
+    its calls, and every drain, for ever); ``AGL_HEARTBEAT_S=0`` would busy-loop Redis writes; an empty
+    ``AGL_REPLICA_ID`` was taken. Each is one line and exit 2 before anything starts."""
+    import subprocess
+    import sys
+
+    for name, value in (("AGL_UPSTREAM_TIMEOUT_S", "0"), ("AGL_UPSTREAM_TIMEOUT_S", "-5"),
+                        ("AGL_UPSTREAM_TIMEOUT_S", "nan"), ("AGL_HEARTBEAT_S", "0"), ("AGL_HEARTBEAT_S", "nan"),
+                        ("AGL_REPLICA_ID", ""), ("AGL_REPLICA_ID", "a b"), ("AGL_REDIS_MAX_CONNECTIONS", "0")):
+        out = subprocess.run([sys.executable, "-m", "agl_gateway", "serve", "--port", "0"], capture_output=True,
+                             text=True, timeout=60, env={"AGL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin",
+                                                         name: value})
+        assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 3, \
+            (name, value, out.returncode, out.stderr[-2000:])
+        assert name.removeprefix("AGL_").lower() in out.stderr, (name, out.stderr)
+
+
+async def test_a_live_replica_id_is_refused_and_a_dead_ones_is_taken(store, redis_url, prefix, upstream):
+    """The prober: a second gateway started with the first one's ``AGL_REPLICA_ID`` overwrote its status: a
+    pause counted one replica, said "drained" while the other forwarded a call (answered 12 s after). Now a
+    gateway does not start under the id of a live replica; a replica that crashed (its last heartbeat ageing)
+    leaves its id free within seconds."""
+    import time
+
+    import pytest
+    from agl_common.schemas import ReplicaStatus
+
+    with gateway(redis_url, prefix, upstream.url, replica_id="gw-1"):
+        with pytest.raises(RuntimeError, match="did not start"):
+            with gateway(redis_url, prefix, upstream.url, replica_id="gw-1"):
+                pass
+        assert [r.replica_id for r in await store.replicas()] == ["gw-1"]
+        with gateway(redis_url, prefix, upstream.url, replica_id="gw-2"):
+            assert sorted(r.replica_id for r in await store.replicas()) == ["gw-1", "gw-2"]
+    await store.heartbeat(ReplicaStatus(replica_id="gw-3"))  # a replica killed right after its heartbeat
+    t0 = time.monotonic()
+    with gateway(redis_url, prefix, upstream.url, replica_id="gw-3"):
+        assert time.monotonic() - t0 < 15
+
+
+async def test_a_streamed_records_message_keeps_what_the_agent_got(store, redis_url, prefix, upstream):
+    """The prober: a live stream's ``delta.reasoning`` (vLLM's reasoning parser; ``reasoning_content`` elsewhere)
+    and ``delta.refusal`` reached the agent, but the record's message held only ``content`` (CONTRACT §3: the
+    response as the agent received it); the same answer not streamed kept them. Now the record's message has
+    every delta field, string pieces joined."""
+    from fakes import chat_chunks
+
+    await make_rollout(store, "r1")
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])
+    for k, (field, piece) in enumerate((("reasoning", "Add "), ("reasoning", "them."),
+                                         ("reasoning_content", "ok"), ("refusal", None))):
+        event = orjson.loads(chunks[1 + k].removeprefix(b"data: "))
+        event["choices"][0]["delta"][field] = piece
+        chunks[1 + k] = b"data: " + orjson.dumps(event) + b"\n\n"
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            upstream.app.state.plan = ("stream", chunks, "done")
+            r = await _one(c, gw, {"stream": True})
+            assert r.status_code == 200 and "Add " in r.text, r.text[-300:]
+            rec = await _last(store)
+            message = rec.response["choices"][0]["message"]
+            assert rec.status == "ok" and message["reasoning"] == "Add them." and message["reasoning_content"] == "ok"
+            assert "refusal" not in message and message["content"] and message["role"] == "assistant", message
+    upstream.app.state.plan = None
+
+
+def test_a_run_drains_longer_than_its_gateway_waits_on_the_engine(tmp_path):
+    """The prober: a run's drain gave up after 120 s while its gateway waited up to 600 s on the engine: one
+    generation over 120 s in flight at an update ended the whole run (exit 1, blaming "a gateway left from a
+    killed run"). Now the gateway a run starts times engine calls out after ``rollout_timeout_s`` (the call's
+    rollout is over by then) and the drain waits 60 s longer unless set."""
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.stack import start_agents
+
+    class Recorder:  # the Services calls start_agents makes
+        def start_gateway(self, *args, **kw):
+            self.gateway = kw
+            return "http://127.0.0.1:1"
+
+        def start_controller(self, *args, **kw):
+            self.controller = args
+
+    cfg = TrainConfig(rollout_timeout_s=300)
+    svc = Recorder()
+    start_agents(svc, cfg, "http://127.0.0.1:2/v1", "redis://127.0.0.1:6379/0", "m", tmp_path)
+    assert svc.gateway["upstream_timeout_s"] == 300 and cfg.drain_s == 360 > svc.gateway["upstream_timeout_s"]
+    assert TrainConfig().drain_s > TrainConfig().rollout_timeout_s
+    assert TrainConfig(drain_timeout_s=30).drain_s == 30
+
+
+def test_calls_that_did_not_sample_from_their_logprobs_are_not_trained():
+    """The prober: ``temperature: 0``, ``top_p: 0.1``, a ``logit_bias``, ``allowed_token_ids``, a JSON
+    ``response_format``... reached the engine and the calls were trained as any other; but vLLM records *raw*
+    logprobs (before temperature, truncation, penalties, masks), and the trainer scores the policy the same way:
+    PPO's behaviour logprobs were not those of the distribution the tokens came from. Such calls are now
+    skipped by the row builder (one definition, :func:`sampling_not_plain`), counted; plain ones train."""
+    from agl_common.schemas import CallRecord, sampling_not_plain
+    from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
+
+    def call(seq: int, request: dict) -> CallRecord:
+        return CallRecord(rollout_id="r", attempt_id="0", seq=seq, route="chat", request=request, response={},
+                          prompt_token_ids=[1, 2], response_token_ids=[3, 4], response_logprobs=[-0.5, -0.25])
+
+    odd = [{"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.1}, {"top_k": 40}, {"logit_bias": {"7": 100}},
+           {"allowed_token_ids": [7, 8]}, {"response_format": {"type": "json_object"}}, {"min_tokens": 3},
+           {"tool_choice": "required"}, {"repetition_penalty": 1.2}, {"temperature": True},
+           {"structured_outputs": {"choice": ["a", "b"]}}]
+    plain = [{}, {"temperature": 1.0, "top_p": 1, "top_k": -1, "max_tokens": 64, "seed": 3, "stop": ["\n"]},
+             {"tool_choice": "auto", "response_format": {"type": "text"}, "logit_bias": {}}]
+    for request in odd:
+        stats = AggregateStats()
+        assert sampling_not_plain(request), request
+        assert build_rows([call(0, request)], stats=stats) == [] and stats.skipped_calls["sampling_not_plain"] == 1
+    for request in plain:
+        assert sampling_not_plain(request) is None, request
+        assert len(build_rows([call(0, request)])) == 1
+    assert sampling_not_plain({"temperature": 0.7, "top_p": 0.9}) == "temperature=0.7, top_p=0.9"
+
+
+async def test_ids_that_disagree_are_refused(store, redis_url, prefix, upstream):
+    """The prober: a path-form call carrying ``X-AGL-Rollout-Id: other`` silently used the path (which rollout
+    the caller meant cannot be told: now 400 ``conflicting_ids``, and headers that agree are fine); an answer
+    whose top-level ``prompt_token_ids`` differ from choice 0's was recorded ``ok`` with the top-level ones (now a
+    502 and an error record)."""
+    from fakes import completion_answer
+
+    await make_rollout(store, "r1")
+    await make_rollout(store, "other")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            for headers in ({"X-AGL-Rollout-Id": "other"}, {"X-AGL-Attempt-Id": "3"}):
+                r = await c.post(url, json=body, headers=headers)
+                assert r.status_code == 400 and "conflicting_ids" in r.text, (headers, r.status_code, r.text[:300])
+            r = await c.post(url, json=body, headers={"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": "0"})
+            assert r.status_code == 200, r.text[:300]
+            answer = completion_answer("up", [1, 2, 3], [5, 2])
+            answer["prompt_token_ids"] = [9, 9, 9]
+            upstream.app.state.plan = ("body", 200, orjson.dumps(answer))
+            r = await _one(c, gw, {"prompt": "3+4?"}, route="completions")
+            assert r.status_code == 502 and "prompt_token_ids" in r.text, (r.status_code, r.text[:300])
+            assert (await _last(store)).status == "error"
+    upstream.app.state.plan = None
+
+
+async def test_a_tool_call_the_agent_cannot_answer_is_an_upstream_error(store, redis_url, prefix, upstream):
+    """Round 10 left open: a tool call of ``type: "banana"``, one without an ``id`` (the agent answers a call by its
+    id) or a function name with control characters was passed on, recorded ``ok``. Each is now a 502 and an error
+    record, on chat as on the translated routes; a good tool call is still 200."""
+    from fakes import chat_answer, tool_call
+
+    await make_rollout(store, "r1")
+    good = tool_call("add", {"a": 3, "b": 4})
+    no_id = tool_call("add", {"a": 3, "b": 4})
+    del no_id["tool_calls"][0]["id"]
+    banana = tool_call("add", {"a": 3, "b": 4})
+    banana["tool_calls"][0]["type"] = "banana"
+    escape = tool_call("add\x1b[2J", {"a": 3})
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for message, word, status in ((no_id, "no id", 502), (banana, "banana", 502),
+                                          (escape, "control characters", 502), (good, "", 200)):
+                upstream.app.state.plan = ("body", 200, orjson.dumps(chat_answer("up", [1, 2, 3], [5, 6, 2], message)))
+                for path, body in (("chat/completions", {"model": "m", "tools": tools,
+                                                         "messages": [{"role": "user", "content": "3+4?"}]}),
+                                   ("messages", {"model": "m", "max_tokens": 16, "messages": [
+                                       {"role": "user", "content": "3+4?"}], "tools": [
+                                       {"name": "add", "input_schema": {"type": "object"}}]})):
+                    r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{path}", json=body)
+                    assert r.status_code == status and word in r.text, (path, word, r.status_code, r.text[:300])
+                    rec = await _last(store)
+                    assert rec.status == ("ok" if status == 200 else "error"), (path, word, rec.error)
+    upstream.app.state.plan = None

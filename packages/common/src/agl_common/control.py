@@ -66,7 +66,7 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
             if time.monotonic() > deadline:
                 now = time.time()
                 waiting = [r.replica_id + (f" (heartbeat {now - r.updated_at:.0f} s late)"
-                                           if now - r.updated_at >= REPLICA_TTL_S else "")
+                                           if now - r.updated_at >= REPLICA_TTL_S else f" ({r.in_flight} in flight)")
                            for r in replicas if command.id not in r.drained_ids]
                 raise DrainTimeout(f"replicas not drained after {timeout_s} s (pause withdrawn): {waiting}")
             await asyncio.sleep(poll_s)

@@ -216,6 +216,35 @@ class CallRecord(BaseModel):
     ended_at: float = 0.0
 
 
+#: Request fields that change the sampling distribution, each with the values that leave it plain (softmax of the
+#: raw logits: temperature 1, no truncation, penalty, bias, mask or constraint). OpenAI chat/completions and vLLM's
+#: extras; Anthropic and Responses bodies use the same names for what they share (``top_k``, ``text``).
+PLAIN_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "temperature": (None, 1), "top_p": (None, 1), "top_k": (None, -1, 0), "min_p": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "allowed_token_ids": (None, []), "bad_words": (None, []), "min_tokens": (None, 0),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "use_beam_search": (None, False),
+    "tool_choice": (None, "auto", "none", {"type": "auto"}, {"type": "none"}),
+    "text": (None, {}, {"format": {"type": "text"}}),
+}
+
+
+def sampling_not_plain(request: dict[str, Any]) -> str | None:
+    """Why the logprobs an engine records for a call of ``request`` are not those of the distribution its tokens
+    were sampled from, or ``None`` when they are: vLLM reports *raw* logprobs (``log_softmax`` of the logits
+    before temperature, top-k/top-p, penalties, biases, masks and structured outputs: its default
+    ``logprobs_mode``), and a trainer scores the policy the same way; so only a call that sampled from that very
+    distribution (:data:`PLAIN_SAMPLING`) gives on-policy behaviour logprobs for PPO's ratio. Names the first
+    differing fields, e.g. ``"temperature=0.7"`` (a ``tool_choice`` that requires a tool is a constraint)."""
+    def same(value: Any, plain: Any) -> bool:  # (true is not 1 here)
+        return value == plain and isinstance(value, bool) == isinstance(plain, bool)
+
+    odd = [f"{name}={request[name]!r:.30}" for name, plain in PLAIN_SAMPLING.items()
+           if name in request and not any(same(request[name], v) for v in plain)]
+    return ", ".join(odd[:3]) or None
+
+
 def first_choice(call: CallRecord) -> dict[str, Any]:
     """``choices[0]`` of a recorded chat or completions answer, ``{}`` when the answer has no such object (an error,
     another route, an odd shape). Its ``message`` (chat) may still be anything: check before use."""

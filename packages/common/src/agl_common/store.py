@@ -706,6 +706,11 @@ class Store:
         out = [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
         return out if include_late else [r for r in out if now - r.updated_at < REPLICA_TTL_S]
 
+    async def replica(self, replica_id: str) -> ReplicaStatus | None:
+        """The last heartbeat of replica ``replica_id`` (live or late), or ``None`` if it has none."""
+        raw = await self.r.get(self.key("replica", replica_id))
+        return ReplicaStatus.model_validate_json(raw) if raw else None
+
     # ---------------------------------------------------------------- controller claims, leases, retries
     # Two more keys, used by the controller only:
     #   ``P processing:{cid}`` (list): rollout ids controller ``cid`` claimed and has not finished yet;

@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 import aiohttp
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.settings import allowed_hosts
-from agl_common.store import Store
+from agl_common.store import REPLICA_TTL_S, Store
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match
 
@@ -130,6 +131,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model) if settings.model else None,
                           metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
         app.state.agl = st
+        await claim_replica_id(store, settings.replica_id)
         tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
                  asyncio.create_task(_discover_model(st))]
         # LiteLLM is not imported here: the first translated call starts its import (translate.ready()).
@@ -247,6 +249,30 @@ async def _control_loop(st: GatewayState) -> None:
             if pubsub is not None:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+
+class ReplicaIdLive(RuntimeError):
+    """Another live gateway replica heartbeats under this replica id."""
+
+
+async def claim_replica_id(store: Store, replica_id: str) -> None:
+    """Make sure no live replica uses ``replica_id`` before this one heartbeats under it (two replicas of one id
+    overwrite each other's status: a pause would count one replica's in-flight calls, and call a replica that
+    still forwards calls drained). A heartbeat younger than :data:`~agl_common.store.REPLICA_TTL_S` is watched
+    until it ages past that (a replica that crashed and restarts under its id waits that long at most); one
+    renewed meanwhile raises :class:`ReplicaIdLive`. Redis out of reach: not checked (the heartbeat loop retries,
+    as before)."""
+    try:
+        last = await store.replica(replica_id)
+        while last is not None and time.time() - last.updated_at < REPLICA_TTL_S:
+            await asyncio.sleep(0.25)
+            now = await store.replica(replica_id)
+            if now is not None and now.updated_at != last.updated_at:
+                raise ReplicaIdLive(f"gateway replica id {replica_id!r} is live: another gateway heartbeats under "
+                                    "it; give this one another AGL_REPLICA_ID (or stop the other)")
+            last = now
+    except (RedisError, OSError) as exc:
+        log.warning("could not check that replica id %r is free: %s", replica_id, exc)
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:

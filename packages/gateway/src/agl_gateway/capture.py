@@ -87,7 +87,11 @@ def extract_tokens(route: str, data: dict[str, Any]) -> tuple[list[int], list[in
     """
     choices = ordered_choices(data)
     choice = choices[0] if choices else {}
-    prompt_ids = int_list(data.get("prompt_token_ids") or choice.get("prompt_token_ids"), "prompt_token_ids")
+    top, own = (int_list(data.get("prompt_token_ids"), "prompt_token_ids"),
+                int_list(choice.get("prompt_token_ids"), "prompt_token_ids"))
+    if top and own and top != own:  # (vLLM's completions put them in the choice, its chat at the top)
+        raise MalformedUpstream("two different 'prompt_token_ids' in one answer (top level and choice 0)")
+    prompt_ids = top or own
     response_ids = int_list(choice.get("token_ids"), "token_ids")
     sampled = len(response_ids) + sum(len(int_list(c.get("token_ids"), "token_ids")) for c in choices[1:])
     logprobs = None
@@ -151,13 +155,19 @@ class Captured:
     usage: dict[str, Any] | None = None
     error: str | None = None
     said: bool = False  # choice 0 holds text or tool calls (then it cannot have come from no token ids)
-    shape: str | None = None  # why the agent can read no answer (no choices; a stream that fails check_choice)
+    shape: str | None = None  # why the agent can read no answer (no choices, or not n; a stream that fails check_choice)
+    finish_reasons: list[str | None] = field(default_factory=list)  # every choice's, in index order (empty: one)
+
+    def finishes(self) -> list[str | None]:
+        """The finish reason of every choice, in index order (choice 0's is :attr:`finish_reason`)."""
+        return self.finish_reasons or [self.finish_reason]
 
 
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object with a ``content`` (a string or null) or tool calls, whose ``tool_calls`` (if any) are objects with a
-    ``function`` of a non-empty ``name`` and string ``arguments``, and tool calls if its finish reason says so;
+    non-empty ``id``, ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
+    string ``arguments``, and tool calls if its finish reason says so;
     on ``completions`` a string ``text``. Complete answers and streams (:meth:`StreamCapture.result`) are checked
     alike."""
     if route == "completions":
@@ -183,11 +193,19 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"] \
                 or not isinstance(fn.get("arguments"), str):
             raise MalformedUpstream("a tool call in 'message.tool_calls' has no function name or string arguments")
+        if not fn["name"].isprintable():
+            raise MalformedUpstream(f"a tool call's function name holds control characters: {fn['name']!r:.60}")
+        if not isinstance(tc.get("id"), str) or not tc["id"]:  # the agent answers the call by its id
+            raise MalformedUpstream("a tool call in 'message.tool_calls' has no id")
+        if tc.get("type", "function") != "function":
+            raise MalformedUpstream(f"a tool call of type {tc.get('type')!r:.30} (only 'function' is one)")
 
 
-def capture_answer(route: str, data: dict[str, Any]) -> Captured:
+def capture_answer(route: str, data: dict[str, Any], n: int = 1) -> Captured:
     """:class:`Captured` of a complete answer (``route``: ``"chat"`` or ``"completions"``, the engine's
-    answer shape). Raises :class:`MalformedUpstream` for fields of the wrong type."""
+    answer shape) to a request for ``n`` choices: another number of choices is no answer (an extra choice would
+    reach the agent, merged into its message by the translated routes, though the record holds choice 0 only).
+    Raises :class:`MalformedUpstream` for fields of the wrong type."""
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise MalformedUpstream("'usage' is not an object")
@@ -197,9 +215,16 @@ def capture_answer(route: str, data: dict[str, Any]) -> Captured:
     said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
     for choice in choices:
         check_choice(route, choice)
-    shape = None if first else "no choices: the agent got no answer"
+    shape = None
+    if not first:
+        shape = "no choices: the agent got no answer"
+    elif len(choices) != n:
+        shape = f"{len(choices)} choices for a request of n={n}"
+    finishes = [c.get("finish_reason") for c in choices]
+    if any(f is not None and not isinstance(f, str) for f in finishes):
+        raise MalformedUpstream("'finish_reason' is not a string")
     return Captured(*extract_tokens(route, data), usage=usage, error=error_text(data.get("error")), said=said,
-                    shape=shape)
+                    shape=shape, finish_reasons=finishes)
 
 
 def error_text(err: Any) -> str | None:
@@ -220,16 +245,18 @@ def unreadable(cap: Captured) -> str | None:
     """Why the agent can read no answer from the capture, or ``None``: an error the engine reported within its
     answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, or a choice without
     an answer (a stream whose answer fails :func:`check_choice`; a complete one raises there); no finish reason (a generation
-    that did not end), or one not in :data:`FINISH_REASONS` (vLLM's ``abort`` or ``error``, an unknown one). Such an
-    answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
+    that did not end), or one not in :data:`FINISH_REASONS` (vLLM's ``abort`` or ``error``, an unknown one), of any
+    choice. Such an answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
     if cap.shape:
         return cap.shape
-    if not cap.finish_reason:  # None, or "" (a stream's "" was already None: one rule for both)
-        return "no finish reason: the generation did not end"
-    if cap.finish_reason not in FINISH_REASONS:
-        return f"finish reason {cap.finish_reason!r:.40}: the generation did not end as an answer"
+    for k, finish in enumerate(cap.finishes()):  # every choice reaches the agent
+        of = f" (choice {k})" if k else ""
+        if not finish:  # None, or "" (a stream's "" was already None: one rule for both)
+            return f"no finish reason{of}: the generation did not end"
+        if finish not in FINISH_REASONS:
+            return f"finish reason {finish!r:.40}{of}: the generation did not end as an answer"
     return None
 
 
@@ -287,6 +314,7 @@ class StreamCapture:
         self.lps_missing = False  # a chunk's token came without its logprob: the capture has none
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.other: dict[str, Any] = {}  # the delta's other fields (``reasoning``, ``refusal``...), as the agent got them
         self.first: dict[str, Any] | None = None
 
     def feed(self, chunk: Any) -> tuple[dict[str, Any] | None, int]:
@@ -337,6 +365,13 @@ class StreamCapture:
             if not isinstance(piece, str):
                 raise MalformedUpstream("'delta.content' is not a string")
             self.text.append(piece)
+            for name, value in delta.items():  # strings are pieces of one field (reasoning); others: the last one
+                if name in ("role", "content", "tool_calls") or value is None:
+                    continue
+                if isinstance(value, str) and isinstance(self.other.get(name, ""), str):
+                    self.other[name] = self.other.get(name, "") + value
+                else:
+                    self.other[name] = value
             for tc in delta.get("tool_calls") or []:
                 if not isinstance(tc, dict):
                     raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
@@ -377,7 +412,7 @@ class StreamCapture:
         cap.said = bool("".join(self.text) or self.tool_calls)
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **self.other}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[k] for k in sorted(self.tool_calls)]
         first = self.first or {}

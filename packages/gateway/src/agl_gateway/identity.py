@@ -63,9 +63,15 @@ def named_attempt(request: Request) -> tuple[str | None, str | None]:
     """``(rollout_id, attempt_id)`` as named by the path or else the headers; ``None`` where not named.
 
     Raises ``ApiError`` 400 for a rollout id that cannot name a rollout (``invalid_rollout``), an attempt id
-    that is not a canonical decimal or a header that is not UTF-8.
+    that is not a canonical decimal, a header that is not UTF-8, or headers that name another rollout or attempt
+    than the path (``conflicting_ids``: which one the caller meant cannot be told).
     """
     params = request.path_params
+    for name, key in (("rollout_id", "x-agl-rollout-id"), ("attempt_id", "x-agl-attempt-id")):
+        said = header(request, key)
+        if params.get(name) and said is not None and said != params[name]:
+            raise bad_request(f"the {key} header ({said!r:.80}) names another {name.split('_')[0]} than the path "
+                              f"({params[name]!r:.80})", "conflicting_ids")
     rid = params.get("rollout_id") or header(request, "x-agl-rollout-id")
     aid = params.get("attempt_id") or header(request, "x-agl-attempt-id")
     if rid:

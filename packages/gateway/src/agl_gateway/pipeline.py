@@ -66,6 +66,13 @@ class RouteSpec:
 
 #: Upstream answers that were cut by a weight update: never handed to the agent as a normal answer.
 ABORTED = {"abort"}
+
+
+def was_aborted(cap: Captured) -> bool:
+    """Whether the engine aborted the generation of any choice (a weight update cut it)."""
+    return any(f in ABORTED for f in cap.finishes())
+
+
 MAX_ABORT_RETRIES = 3
 
 
@@ -232,7 +239,7 @@ class Call:
                     await write_failure(st, rec, err, t0)
                     raise
                 upstream_s = time.perf_counter() - t0
-                if cap.finish_reason in ABORTED:
+                if was_aborted(cap):
                     aborted = ApiError(503, "upstream aborted the request (weight update); retry", "server_error",
                                        "upstream_aborted", {"Retry-After": "1"})
                     if relay is None or relay.sent == 0:  # the agent saw nothing: retry once the gate reopens
@@ -287,8 +294,10 @@ class Call:
         can fail once the agent's answer has started); ``ApiError`` 502 for a malformed answer."""
         spec, body = self.spec, self.body
         try:
-            cap = capture_answer("completions" if spec.path == "/completions" else "chat", data)
-            if cap.finish_reason in ABORTED:
+            n = self.upstream.get("n")
+            cap = capture_answer("completions" if spec.path == "/completions" else "chat", data,
+                                 n if type(n) is int and n > 0 else 1)
+            if was_aborted(cap):
                 return cap, None, None
             why = unreadable(cap)
             if why:

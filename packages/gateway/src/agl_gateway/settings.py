@@ -32,16 +32,20 @@ class GatewaySettings(CommonSettings):
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
-    upstream_timeout_s: float = 600.0
-    heartbeat_s: float = 1.0
+    upstream_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description=(
+        "seconds one engine call may take (0, negative or NaN would mean none: a hung engine held its calls, "
+        "and every drain, for ever)"))
+    heartbeat_s: float = Field(default=1.0, ge=0.05, le=4.0, allow_inf_nan=False, description=(
+        "seconds between two status heartbeats (under the 5 s a replica counts as live)"))
     otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables
-    redis_max_connections: int = 512  # per replica; a call waits (up to 10 s) for a free one beyond that
+    redis_max_connections: int = Field(default=512, ge=1)  # per replica; a call waits (up to 10 s) for a free one beyond that
     wait_replicas: int = Field(default=0, ge=0, description=(
         "replicas that must hold a call's record (Redis WAIT) before the agent gets its answer; 0: reply once "
         "the master has it (faster; a failover can lose acknowledged records)"))
     wait_timeout_ms: int = Field(default=1000, ge=0, description=(
         "how long to wait for them; fewer in time: 503 store_unavailable (the record may still exist)"))
-    replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", min_length=1,
+                            max_length=256, pattern=r"^[!-~]+$")  # printable ASCII, no spaces: shown and keyed
 
     @field_validator("host")
     @classmethod

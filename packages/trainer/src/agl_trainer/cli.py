@@ -114,9 +114,11 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except TimeoutError as exc:  # DrainTimeout included: a replica that never drains
-        err.print(f"error: {exc}\nA gateway replica listed here is still heartbeating but not draining (a "
-                  "gateway left from a killed run?): stop it, or wait 5 s after it dies, and resume with "
-                  "--resume RUN_DIR. `agl-trainer gateway status` lists the replicas.")
+        err.print(f"error: {exc}\nA replica with calls in flight was still waiting on the engine (a generation "
+                  "longer than drain_timeout_s: raise it, or lower rollout_timeout_s, which bounds the calls of the "
+                  "gateway a run starts); a late one, or one with none in flight, may be a gateway left from a "
+                  "killed run: stop it, or wait 30 s after it dies. Then resume with --resume RUN_DIR; "
+                  "`agl-trainer gateway status` lists the replicas.", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 

@@ -195,7 +195,15 @@ class TrainConfig(_NoBooleanNumbers):
         ["console", "jsonl"], description="experiment trackers (verl's names; see agl_trainer.trackers): "
         "console, jsonl (metrics.jsonl, always written), tensorboard, wandb (offline unless WANDB_MODE), mlflow")
     engine_startup_timeout_s: float = Field(900.0, gt=0)
-    drain_timeout_s: float = Field(120.0, gt=0)
+    drain_timeout_s: float | None = Field(None, gt=0, le=10**7, description=(
+        "seconds a pause waits for the calls in flight to end before the step fails; None: rollout_timeout_s + 60 "
+        "(a call may last as long as its rollout: the gateway a run starts times engine calls out after "
+        "rollout_timeout_s)"))
+
+    @property
+    def drain_s(self) -> float:
+        """The drain timeout in effect (s): ``drain_timeout_s``, or ``rollout_timeout_s + 60`` when unset."""
+        return self.drain_timeout_s if self.drain_timeout_s is not None else self.rollout_timeout_s + 60.0
 
     @model_validator(mode="after")
     def _subset_within_eval(self) -> "TrainConfig":

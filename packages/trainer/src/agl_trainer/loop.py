@@ -154,7 +154,7 @@ class TrainingRun:
              **batch_signals(rollouts, calls), **rollout_phase_split(rollouts, calls, t0_wall, ready_wall),
              **adv_stats, **astats.metrics()}
         if rows and any(abs(a) > 0 for a in row_adv):
-            cycle = await backend_cycle(store, self.backend, self.version + 1, rows, row_adv, cfg.drain_timeout_s)
+            cycle = await backend_cycle(store, self.backend, self.version + 1, rows, row_adv, cfg.drain_s)
             self.version += 1
             m.update(cycle, policy_version=self.version, time_update_s=cycle["update_s"],
                      time_pause_drain_s=cycle["drain_s"], time_weight_load_s=cycle["weight_load_s"])

@@ -200,14 +200,17 @@ class Services:
         return url
 
     def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
-                      extra: list[str] | None = None, key: str | None = None) -> str:
-        """Start ``agl-gateway serve``; ``key``: its admin key (``AGL_KEY`` in its environment; None: inherited)."""
+                      extra: list[str] | None = None, key: str | None = None,
+                      upstream_timeout_s: float | None = None) -> str:
+        """Start ``agl-gateway serve``; ``key``: its admin key (``AGL_KEY`` in its environment; None: inherited);
+        ``upstream_timeout_s``: seconds one engine call may take (``AGL_UPSTREAM_TIMEOUT_S``; None: its default)."""
         port = port or free_port()
         argv = [self.python, "-m", "agl_gateway", "serve",
                 "--prefix", prefix, "--model", model, "--port", str(port)] + (extra or [])
         # the Redis and engine URLs (maybe with passwords) travel in the environment: a command line is public (ps)
         self.start("gateway", argv, {"AGL_REDIS_URL": redis_url, "AGL_UPSTREAM": upstream,
-                                     **({"AGL_KEY": key} if key else {})})
+                                     **({"AGL_KEY": key} if key else {}),
+                                     **({"AGL_UPSTREAM_TIMEOUT_S": str(upstream_timeout_s)} if upstream_timeout_s else {})})
         url = f"http://127.0.0.1:{port}"
         self.wait_http("gateway", url + "/healthz", 60)
         return url

@@ -60,11 +60,14 @@ def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str,
     The gateway it starts has an admin key (``AGL_KEY`` if set, else a random one for this run), given to the
     controller only (both through their environment): each harness run gets its attempt's scoped key and can act on
     its own rollout alone (an open gateway let any harness post another rollout's reward). With ``cfg.gateway_url``
-    the controller gets this process's ``AGL_KEY``, if any."""
+    the controller gets this process's ``AGL_KEY``, if any. The gateway times an engine call out after
+    ``cfg.rollout_timeout_s`` (the call's rollout is over by then), so a pause drains within ``cfg.drain_s``."""
     key = None
     if not cfg.gateway_url:
         key = os.environ.get("AGL_KEY") or secrets.token_urlsafe(32)
-    gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name, key=key)
+    # a call cannot outlive its rollout: the engine timeout is the rollout's, and a pause's drain waits longer
+    gateway = cfg.gateway_url or svc.start_gateway(upstream, redis_url, cfg.prefix, model_name, key=key,
+                                                   upstream_timeout_s=cfg.rollout_timeout_s)
     svc.start_controller(harness_command(cfg.command, python or sys.executable), gateway, redis_url,
                          cfg.prefix, model_name, cfg.concurrency, cfg.rollout_timeout_s, log_dir, cfg.reward_fn,
                          cfg.preload, cfg.harness_env, key=key, reward_fn_always=cfg.reward_fn_always)

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from agl_common.schemas import CallRecord
+from agl_common.schemas import CallRecord, sampling_not_plain
 
 #: Merge-break classes, in the order they are tested (see the module docstring).
 BREAK_CLASSES = ("role_change", "missing_stop_token", "retokenized", "template_rerender", "other")
@@ -134,6 +134,9 @@ class AggregateStats:
 def _usable(call: CallRecord, stats: AggregateStats) -> bool:
     if call.status != "ok":
         stats.skipped_calls["error"] += 1
+        return False
+    if sampling_not_plain(call.request):  # its logprobs are not its sampling distribution's: off-policy data
+        stats.skipped_calls["sampling_not_plain"] += 1
         return False
     if not call.prompt_token_ids or not call.response_token_ids:
         stats.skipped_calls["no_token_ids"] += 1
@@ -231,7 +234,10 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
     """Rows of one rollout attempt's calls (ordered by ``seq``).
 
     Args:
-        calls: the attempt's recorded calls; failed calls and calls without token ids are skipped.
+        calls: the attempt's recorded calls; failed calls, calls without token ids and calls that did not
+            sample from the distribution their logprobs describe
+            (:func:`agl_common.schemas.sampling_not_plain`: ``temperature: 0.7``, a ``top_p``, a bias...) are
+            skipped, counted in ``stats.skipped_calls`` by reason.
         mode: ``"trajectory"`` (merge by exact token prefix) or ``"transition"`` (one row per call).
         stats: counters to add to (calls, rows, merge breaks by class with examples, skipped calls by
             reason, dropped and truncated rows).
