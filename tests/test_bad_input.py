@@ -476,7 +476,8 @@ def test_bad_headers_and_paths(env):
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 200),  # attempt defaults to current (1)
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r2", "X-AGL-Attempt-Id": "0"}, 409),
         (f"{gw}/rollouts/%FF%FE/attempts/0/v1/chat/completions", {}, 400),  # not UTF-8, as a header would be
-        (f"{gw}/rollouts/r1/attempts/0/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 200),  # path wins
+        (f"{gw}/rollouts/r1/attempts/0/v1/chat/completions", {"X-AGL-Rollout-Id": "r2"}, 400),  # which? (round 11)
+        (f"{gw}/rollouts/r1/attempts/0/v1/chat/completions", {"X-AGL-Rollout-Id": "r1"}, 200),  # they agree
         # ids that cannot name a rollout: too long, whitespace, control characters, hash-tag braces
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "r" * 8000}, 400),
         (f"{gw}/v1/chat/completions", {"X-AGL-Rollout-Id": "a b"}, 400),

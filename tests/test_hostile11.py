@@ -266,3 +266,30 @@ async def test_a_tool_call_the_agent_cannot_answer_is_an_upstream_error(store, r
                     rec = await _last(store)
                     assert rec.status == ("ok" if status == 200 else "error"), (path, word, rec.error)
     upstream.app.state.plan = None
+
+
+async def test_logprobs_an_agent_cannot_parse_are_an_upstream_error(store, redis_url, prefix, upstream):
+    """The prober: a completions answer with ``logprobs.tokens: 5`` or ``top_logprobs: "x"``, or a chat choice 1
+    with ``logprobs: "zz"``, reached an agent that asked for logprobs as sent, recorded ``ok``. Now 502, recorded
+    ``error`` (``check_choice``); well-formed logprobs still pass."""
+    from fakes import completion_answer
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for field, value in (("tokens", 5), ("top_logprobs", "x"), ("text_offset", {"a": 1})):
+                answer = completion_answer("up", [1, 2, 3], [5, 2])
+                answer["choices"][0]["logprobs"][field] = value
+                upstream.app.state.plan = ("body", 200, orjson.dumps(answer))
+                r = await _one(c, gw, {"prompt": "3+4?", "logprobs": 1}, route="completions")
+                assert r.status_code == 502 and "logprobs" in r.text, (field, r.status_code, r.text[:300])
+                assert (await _last(store)).status == "error"
+            body = _two_choices("stop")
+            body["choices"][1]["logprobs"] = "zz"
+            upstream.app.state.plan = ("body", 200, orjson.dumps(body))
+            r = await _one(c, gw, {"n": 2, "logprobs": True})
+            assert r.status_code == 502 and "logprobs" in r.text, (r.status_code, r.text[:300])
+            upstream.app.state.plan = ("body", 200, orjson.dumps(completion_answer("up", [1, 2, 3], [5, 2])))
+            r = await _one(c, gw, {"prompt": "3+4?", "logprobs": 1}, route="completions")
+            assert r.status_code == 200 and (await _last(store)).status == "ok", r.text[:300]
+    upstream.app.state.plan = None

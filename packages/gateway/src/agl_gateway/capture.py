@@ -168,8 +168,14 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     object with a ``content`` (a string or null) or tool calls, whose ``tool_calls`` (if any) are objects with a
     non-empty ``id``, ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
     string ``arguments``, and tool calls if its finish reason says so;
-    on ``completions`` a string ``text``. Complete answers and streams (:meth:`StreamCapture.result`) are checked
+    on ``completions`` a string ``text``; on both, ``logprobs`` null or an object whose lists are lists. Complete
+    answers and streams (:meth:`StreamCapture.result`) are checked
     alike."""
+    lp = choice.get("logprobs")  # what an agent that asked for logprobs reads: the shape its SDK parses
+    lists = ("tokens", "token_logprobs", "top_logprobs", "text_offset") if route == "completions" else ("content",)
+    if lp is not None and (not isinstance(lp, dict) or any(lp.get(k) is not None and not isinstance(lp[k], list)
+                                                             for k in lists)):
+        raise MalformedUpstream(f"choice {choice.get('index', 0)}'s 'logprobs' is not an object of lists")
     if route == "completions":
         if not isinstance(choice.get("text"), str):
             raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no text")
