@@ -293,3 +293,139 @@ async def test_logprobs_an_agent_cannot_parse_are_an_upstream_error(store, redis
             r = await _one(c, gw, {"prompt": "3+4?", "logprobs": 1}, route="completions")
             assert r.status_code == 200 and (await _last(store)).status == "ok", r.text[:300]
     upstream.app.state.plan = None
+
+
+def test_the_engine_a_run_starts_samples_as_each_request_says(tmp_path, monkeypatch):
+    """The second prober: vLLM's default ``--generation-config auto`` fills every sampling field a request leaves
+    out from the model's ``generation_config.json`` (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20): a
+    call without ``temperature`` passed ``sampling_not_plain`` and was trained, off-policy. The engine a run
+    starts now ignores those defaults (``--generation-config vllm``)."""
+    from agl_trainer.services import Services
+
+    started = {}
+    svc = Services(tmp_path)
+    monkeypatch.setattr(svc, "start", lambda name, argv, env=None: started.setdefault(name, argv))
+    monkeypatch.setattr(svc, "wait_http", lambda *a, **kw: None)
+    svc.start_vllm(tmp_path, "m", port=1)
+    argv = started["vllm"]
+    assert argv[argv.index("--generation-config") + 1] == "vllm", argv
+
+
+async def test_an_n_that_is_not_a_positive_integer_is_refused_before_the_engine(store, redis_url, prefix, upstream):
+    """The second prober: ``"n": 2.0`` reached the engine (vLLM reads it as 2), which generated two choices, then
+    the gateway called them a wrong count (502, the generation wasted). ``n`` is now a positive JSON integer or a
+    400, before anything is forwarded; ``n: 1`` is fine."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for n in (2.0, "2", 0, -1, True, [2]):
+                before = len(upstream.app.state.calls)
+                r = await _one(c, gw, {"n": n})
+                assert r.status_code == 400 and "'n' must be a positive integer" in r.text, (n, r.status_code, r.text)
+                assert len(upstream.app.state.calls) == before, n
+            assert (await _one(c, gw, {"n": 1})).status_code == 200
+
+
+def test_the_dashboard_reads_hostile_run_files_as_missing(redis_url, prefix, tmp_path):
+    """The second prober: one number in a run folder took the dashboard down: a 400-digit integer in
+    ``summary.json`` (500 on ``/``: every run gone from the index) or in ``metrics.jsonl``, ``1e400`` in
+    ``summary.json`` (500 on the polled ``/api/runs/{run}``); a FIFO named ``metrics.jsonl`` (a harness with a
+    shell runs in the project root) hung every page, ``/healthz`` too, for good; a hand-written ``config.json``
+    showed its Redis password and keys. Now such numbers read as missing, only regular files of bounded size are
+    read, and the config is shown redacted."""
+    import os
+
+    from agl_trainer.ui.server import create_app
+
+    from fakes import Served
+
+    root = tmp_path / "runs" / "demo"
+    for name, files in {
+        "r1": {"metrics.jsonl": '{"step": 1, "reward_mean": 1' + "0" * 400 + ', "roles": {"a": {"reward_mean": 1'
+               + "0" * 400 + '}}}\n', "config.json": "{}"},
+        "r2": {"summary.json": '{"heldout_after": 1' + "0" * 400 + "}", "config.json": "{}"},
+        "r3": {"summary.json": '{"heldout_before": 1e400}', "config.json": "{}"},
+        "r4": {"config.json": '{"redis_url": "redis://:hunter2@db:6379/0", "key": "adminkey123", '
+               '"wandb": {"api_key": "sk-secret"}, "engine_url": "http://u:pw2@e:8000,http://f:8000"}'},
+    }.items():
+        (root / name).mkdir(parents=True)
+        for file, text in files.items():
+            (root / name / file).write_text(text)
+    (root / "r5").mkdir()
+    (root / "r5" / "config.json").write_text("{}")
+    os.mkfifo(root / "r5" / "metrics.jsonl")
+    with Served(create_app(redis_url, prefix, tmp_path / "runs")) as ui:
+        with httpx.Client(timeout=20) as c:
+            for path in ("/", "/api/runs", "/healthz", *(f"/runs/r{k}" for k in range(1, 6)),
+                         *(f"/api/runs/r{k}" for k in range(1, 6))):
+                r = c.get(ui.url + path)
+                assert r.status_code == 200, (path, r.status_code, r.text[:300])
+            page = c.get(ui.url + "/runs/r4").text
+            for secret in ("hunter2", "adminkey123", "sk-secret", "pw2"):
+                assert secret not in page, secret
+            assert "db:6379" in page
+
+
+def test_a_gateway_started_under_a_live_replica_id_says_so_in_one_line(redis_url, prefix):
+    """The second prober: the refusal above was uvicorn's 55-line start-up traceback and exit 3; ``agl-gateway
+    serve`` now says it in one line, exit 2, like every other refusal at start."""
+    import subprocess
+    import sys
+
+    from test_gateway import gateway as serve
+
+    with serve(redis_url, prefix, "http://127.0.0.1:9/v1", replica_id="gw-live"):
+        out = subprocess.run([sys.executable, "-m", "agl_gateway", "serve", "--port", "0", "--prefix", prefix],
+                             capture_output=True, text=True, timeout=60,
+                             env={"AGL_REDIS_URL": redis_url, "AGL_REPLICA_ID": "gw-live", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 2, \
+        (out.returncode, out.stderr[-2000:])
+    assert "'gw-live' is live" in out.stderr
+
+
+def test_a_run_does_not_start_on_a_prefix_another_runs_gateway_serves(redis_url, prefix, tmp_path):
+    """The second prober: `agl-trainer train` took any Redis that answered and started its gateway and controller
+    on a prefix a live experiment used (default ``agl:``): a second controller took the first run's queued
+    rollouts and ran them with its own harness and key; pauses and policies would cross too. A run that starts its
+    own gateway now refuses (one line, exit 2, before anything starts) while a live replica serves its prefix; a
+    config naming that gateway (``gateway_url``) is fine, and so is the prefix once the replica is gone."""
+    import subprocess
+    import sys
+
+    import pytest
+    import yaml
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.stack import PrefixInUse, check_prefix_free
+
+    from test_gateway import gateway as serve
+
+    cfg = TrainConfig(redis_url=redis_url, prefix=prefix)
+    with serve(redis_url, prefix, "http://127.0.0.1:9/v1", replica_id="other-run") as gw:
+        with pytest.raises(PrefixInUse, match="other-run"):
+            check_prefix_free(cfg)
+        check_prefix_free(cfg.with_fields(gateway_url=gw.url))
+        path = tmp_path / "train.yaml"
+        path.write_text(yaml.safe_dump({"redis_url": redis_url, "prefix": prefix, "out_dir": str(tmp_path / "runs")}))
+        out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(path)], capture_output=True,
+                             text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        assert out.returncode == 2 and "is in use" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    check_prefix_free(cfg)
+
+
+def test_a_controller_without_the_key_of_a_keyed_gateway_refuses_to_start(redis_url, prefix, tmp_path):
+    """The second prober: a controller started without ``--key`` in front of a gateway with one gave every harness
+    a key the gateway refused (401): every rollout ``failed no_model_calls``, the agent's own failure, never
+    retried, nothing said at start. Now one line, exit 2; ``--max-attempts 1000000000`` (endless retries) too."""
+    import subprocess
+    import sys
+
+    from test_gateway import gateway as serve
+
+    env = {"AGL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    with serve(redis_url, prefix, "http://127.0.0.1:9/v1", key="adminkey123") as gw:
+        for extra, says in (([], "has an admin key"), (["--max-attempts", "1000000000"], "max-attempts")):
+            out = subprocess.run([sys.executable, "-m", "agl_controller", "run", "--command", "true", "--gateway",
+                                  gw.url, "--prefix", prefix, "--log-dir", str(tmp_path), *extra],
+                                 capture_output=True, text=True, timeout=60, env=env)
+            assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, \
+                (extra, out.returncode, out.stderr[-2000:])

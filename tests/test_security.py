@@ -110,10 +110,10 @@ def test_scoped_key_reaches_only_its_own_rollout_attempt(deployed):
         resp = c.post(f"{gw.url}/v1/chat/completions", json=BODIES["chat/completions"],
                       headers={"X-AGL-Rollout-Id": "r3", **auth(scoped_key(ADMIN, "r3", "1"))})
         assert resp.status_code == 200
-        # the path decides the rollout: a header naming another one changes nothing
+        # a header naming another rollout than the path gets the key nowhere: refused (400 conflicting_ids, round 11)
         resp = c.post(f"{gw.url}/rollouts/r2/attempts/0/v1/chat/completions", json=BODIES["chat/completions"],
                       headers={"X-AGL-Rollout-Id": "r1", "X-AGL-Attempt-Id": "0", **auth(mine)})
-        assert resp.status_code == 401
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "conflicting_ids", resp.text[:200]
         # a key derived from another secret, and a scoped key of another rollout, are refused
         assert send(c, "POST", f"{gw.url}/rollouts/r1/attempts/0/reward", {}, {"value": 0},
                     scoped_key("other-secret", "r1", "0")).status_code == 401

@@ -30,6 +30,21 @@ MIN_LEASE_TTL = 1.0
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
 
+def check_gateway_takes_no_key(gateway: str) -> None:
+    """Without ``--key`` every harness gets no working key: if the gateway answers ``GET /v1/models`` with 401 (it
+    has an admin key), raise ``ValueError`` (each rollout would fail ``no_model_calls``, the agent's own failure,
+    never retried). A gateway not answering yet is not checked (it may start after this controller)."""
+    import httpx
+
+    try:
+        status = httpx.get(gateway.rstrip("/") + "/v1/models", timeout=3).status_code
+    except httpx.HTTPError:
+        return
+    if status == 401:
+        raise ValueError(f"the gateway at {gateway} has an admin key (401) and this controller none: every run's "
+                         "calls would be refused; give it --key / AGL_KEY (the gateway's)")
+
+
 def _csv(text: str | None) -> list[str]:
     return [m.strip() for m in (text or "").split(",") if m.strip()]
 
@@ -58,7 +73,8 @@ def run(
     max_log_bytes: int = typer.Option(DEFAULT_MAX_LOG_BYTES, envvar="AGL_MAX_LOG_BYTES", min=1,
                                       help="local: most bytes of one run's log; past it the run is stopped, "
                                            "failure log_limit"),
-    max_attempts: int = typer.Option(1, envvar="AGL_MAX_ATTEMPTS", min=1, help="attempts per rollout (1: no retry)"),
+    max_attempts: int = typer.Option(1, envvar="AGL_MAX_ATTEMPTS", min=1, max=100,
+                                     help="attempts per rollout (1: no retry; at most 100)"),
     retry_on: str = typer.Option(",".join(DEFAULT_RETRY_ON), envvar="AGL_RETRY_ON",
                                  help="comma-separated failure reasons that are retried"),
     controller_id: str = typer.Option(None, envvar="AGL_CONTROLLER_ID",
@@ -111,6 +127,8 @@ def run(
             raise ValueError(f"--lease-ttl must be a number of seconds in [{MIN_LEASE_TTL}, {MAX_SECONDS}], "
                              f"got {lease_ttl} (a shorter lease lapses while its controller lives: another one "
                              "would end its runs as controller_lost)")
+        if not key and not dry_run:
+            check_gateway_takes_no_key(gateway)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import typer
 
 from .settings import GatewaySettings
@@ -45,7 +47,7 @@ def serve(
     """Serve the gateway (uvicorn, one process)."""
     from pydantic import ValidationError
 
-    from .app import create_app
+    from .app import ReplicaIdLive, create_app
 
     try:
         settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
@@ -57,7 +59,24 @@ def serve(
         errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         typer.echo(f"error: invalid gateway settings: {errors}", err=True)
         raise typer.Exit(2) from None
+    try:  # (the app's start-up checks again: for apps made in-process; this is the CLI's one-line refusal)
+        asyncio.run(_claim(settings))
+    except ReplicaIdLive as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     run_server(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+async def _claim(settings: GatewaySettings) -> None:
+    from agl_common.store import Store
+
+    from .app import claim_replica_id
+
+    store = Store(settings.redis_url, settings.prefix, max_connections=2)
+    try:
+        await claim_replica_id(store, settings.replica_id)
+    finally:
+        await store.close()
 
 
 def run_server(app_, **config) -> None:

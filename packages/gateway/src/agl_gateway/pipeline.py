@@ -119,14 +119,17 @@ def check_conversation(messages: Any) -> None:
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
     ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
-    boolean: ``"false"`` would otherwise read as true; and for a ``stream_options`` that is not an object, which
-    the engine or a synthesized stream would fail on after the call)."""
+    boolean: ``"false"`` would otherwise read as true; for an ``n`` that is not a positive JSON integer; and for a
+    ``stream_options`` that is not an object, which the engine or a synthesized stream would fail on after the
+    call)."""
     for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise bad_request(f"'{flag}' must be true or false, got {body[flag]!r:.40}")
     if spec.route == "completions" and body.get("logprobs") is not None and not (
             type(body["logprobs"]) is int and body["logprobs"] >= 0):
         raise bad_request(f"'logprobs' must be a non-negative integer, got {body['logprobs']!r:.40}")
+    if body.get("n") is not None and not (type(body["n"]) is int and body["n"] >= 1):  # (the engine reads 2.0 as
+        raise bad_request(f"'n' must be a positive integer, got {body['n']!r:.40}")  # 2: count the choices alike)
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_request(f"'stream_options' must be an object, got {body['stream_options']!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
@@ -294,9 +297,8 @@ class Call:
         can fail once the agent's answer has started); ``ApiError`` 502 for a malformed answer."""
         spec, body = self.spec, self.body
         try:
-            n = self.upstream.get("n")
             cap = capture_answer("completions" if spec.path == "/completions" else "chat", data,
-                                 n if type(n) is int and n > 0 else 1)
+                                 self.upstream.get("n") or 1)  # (checked by upstream_body)
             if was_aborted(cap):
                 return cap, None, None
             why = unreadable(cap)

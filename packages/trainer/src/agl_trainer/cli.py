@@ -96,11 +96,24 @@ def _check_task(cfg, train: bool = True) -> None:
         raise typer.Exit(2) from None
 
 
+def _check_prefix(cfg) -> None:
+    """No live gateway serves the prefix the run would start its own gateway on (:func:`stack.check_prefix_free`):
+    one line and exit 2 if one does, before anything starts (the last of the checks at start)."""
+    from .stack import PrefixInUse, check_prefix_free
+
+    try:
+        check_prefix_free(cfg)
+    except PrefixInUse as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .cycle import EngineError
     from .run import NotResumable, run_training
 
     _check_task(cfg)
+    _check_prefix(cfg)
     _sigterm_as_interrupt()
     try:
         run_training(cfg, console, resume_dir)
@@ -176,6 +189,7 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
         err.print("[red]no verl environment[/red]: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "
                   "AGL_VERL_PYTHON to a Python that has verl 0.9.1")
         raise typer.Exit(2)
+    _check_prefix(cfg)
     with console.status("converting the base model (first run only)..."):
         ensure_base_model(cfg.base_model)
     import yaml
@@ -259,6 +273,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     except PolicyNotFound as exc:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    _check_prefix(cfg)
     _sigterm_as_interrupt()
     try:
         res = run_eval(cfg, pol, n, err if as_json else console)

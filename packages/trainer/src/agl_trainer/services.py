@@ -189,6 +189,9 @@ class Services:
                   if lora else []),
                 # harnesses send tools: let the engine accept them and parse Hermes-style <tool_call> output
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                # sampling as each request says, never the model's generation_config.json defaults (Qwen's
+                # temperature 0.7, top_k 20...): vLLM records raw logprobs, which describe only plain sampling
+                "--generation-config", "vllm",
                 "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",

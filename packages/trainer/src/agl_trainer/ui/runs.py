@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agl_common.settings import redacted_url
 
 #: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
 RUNNING_WINDOW_S = 300
@@ -61,23 +66,57 @@ def step_groups(m: dict[str, Any]) -> list[str]:
     return [g for g in groups if isinstance(g, str)] if isinstance(groups, list) else []
 
 
+#: Largest run file the dashboard reads (bytes); a larger one reads as missing.
+MAX_RUN_FILE_BYTES = 64 * 2**20
+#: Largest integer a run file's number may be (beyond: read as None: a float of it would overflow).
+MAX_INT = 2**63
+
+
 def _finite(text: str) -> float | None:
     value = float(text)
     return value if math.isfinite(value) else None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON objects of a JSON Lines file; a line that does not parse (a half-written last line) is skipped;
-    ``NaN``/``Infinity`` (written by older runs) and numbers past float range (``1e400``) read as None, so every
-    page and API answer is valid JSON."""
-    out = []
+def _bounded_int(text: str) -> int | None:
+    value = int(text)
+    return value if abs(value) <= MAX_INT else None
+
+
+def _loads(text: str) -> Any:
+    """JSON with ``NaN``/``Infinity`` (written by older runs), floats past float range (``1e400``) and integers past
+    :data:`MAX_INT` read as None, so every page and API answer is valid JSON and every number converts to a float.
+    Raises ``ValueError``."""
+    return json.loads(text, parse_constant=lambda _: None, parse_float=_finite, parse_int=_bounded_int)
+
+
+def read_text(path: Path) -> str | None:
+    """The text of ``path`` if it is a regular file of at most :data:`MAX_RUN_FILE_BYTES`, else None: a FIFO (whose
+    open would block the dashboard's event loop for good), a device (``/dev/zero``), a directory or a file too large
+    read as missing. Undecodable bytes are replaced."""
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once, then fails the check below)
     except OSError:
-        return out
-    for line in text.splitlines():
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_RUN_FILE_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_RUN_FILE_BYTES + 1)
+        return None if len(data) > MAX_RUN_FILE_BYTES else data.decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """JSON objects of a JSON Lines file (:func:`read_text`, :func:`_loads`); a line that does not parse (a
+    half-written last line) is skipped."""
+    out = []
+    for line in (read_text(path) or "").splitlines():
         try:
-            obj = json.loads(line, parse_constant=lambda _: None, parse_float=_finite)
+            obj = _loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict):
@@ -87,10 +126,30 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        obj = json.loads(path.read_text(), parse_constant=lambda _: None)
-    except (OSError, ValueError):
+        obj = _loads(read_text(path) or "")
+    except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+#: Config keys whose values are secrets wherever they appear (shown as ``***``).
+_SECRET_KEY = re.compile(r"(?i)(password|passwd|secret|token|api_?key|^key$|_key$)")
+
+
+def shown_config(obj: Any, key: str = "") -> Any:
+    """A run's ``config.json`` as the dashboard shows it: values under a secret-looking key replaced by ``***``,
+    and a password inside any URL string hidden (:func:`agl_common.settings.redacted_url`). The trainer writes
+    its config redacted already; a hand-written or copied one is not shown in the clear either."""
+    if isinstance(obj, dict):
+        return {k: shown_config(v, str(k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [shown_config(v, key) for v in obj]
+    if isinstance(obj, str):
+        if obj and _SECRET_KEY.search(key):
+            return "***"
+        if "://" in obj:
+            return ",".join(redacted_url(u) if "://" in u else u for u in obj.split(","))
+    return obj
 
 
 @dataclass
@@ -123,12 +182,11 @@ class Run:
         """Held-out accuracy ``before`` or ``after`` training (fraction): the summary's ``heldout_{when}``
         (or older ``accuracy_{when}``), else the last eval line of that kind."""
         if self.summary:
-            v = pick(self.summary, (f"heldout_{when}", f"accuracy_{when}"))
-            if isinstance(v, (int, float)):
-                return float(v)
+            v = _num(pick(self.summary, (f"heldout_{when}", f"accuracy_{when}")))
+            if v is not None:
+                return v
         lines = [e for e in self.evals if (e.get("eval") or e.get("when")) == when]
-        v = lines[-1].get("accuracy") if lines else None
-        return float(v) if isinstance(v, (int, float)) else None
+        return _num(lines[-1].get("accuracy")) if lines else None
 
     def step(self, number: int) -> dict[str, Any] | None:
         """The last metrics line of step ``number`` (a resumed run may repeat one), or None."""
@@ -170,7 +228,13 @@ def _role_value(m: dict[str, Any], role: str, key: str) -> Any:
 
 
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        value = float(v)
+    except OverflowError:  # (an int too large for a float)
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _cell(v: Any) -> str:
@@ -188,7 +252,7 @@ def load_run(path: Path) -> Run:
     metrics = path / "metrics.jsonl"
     lines = read_jsonl(metrics)
     mtimes = [p.stat().st_mtime for p in (metrics, path / "config.json", path / "summary.json") if p.exists()]
-    return Run(run_id=path.name, path=path, config=_read_json(path / "config.json") or {},
+    return Run(run_id=path.name, path=path, config=shown_config(_read_json(path / "config.json") or {}),
                summary=_read_json(path / "summary.json"),
                steps=[m for m in lines if "step" in m and "eval" not in m and "when" not in m],
                evals=[m for m in lines if "eval" in m or "when" in m], mtime=max(mtimes, default=0.0))
