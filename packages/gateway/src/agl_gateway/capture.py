@@ -167,10 +167,9 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object with a ``content`` (a string or null) or tool calls, whose ``tool_calls`` (if any) are objects with a
     non-empty ``id``, ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
-    string ``arguments``, and tool calls if its finish reason says so;
-    on ``completions`` a string ``text``; on both, ``logprobs`` null or an object whose lists are lists. Complete
-    answers and streams (:meth:`StreamCapture.result`) are checked
-    alike."""
+    string ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on
+    both, ``logprobs`` null or an object whose lists are lists. Complete answers and streams
+    (:meth:`StreamCapture.result`) are checked alike."""
     lp = choice.get("logprobs")  # what an agent that asked for logprobs reads: the shape its SDK parses
     lists = ("tokens", "token_logprobs", "top_logprobs", "text_offset") if route == "completions" else ("content",)
     if lp is not None and (not isinstance(lp, dict) or any(lp.get(k) is not None and not isinstance(lp[k], list)
@@ -249,10 +248,11 @@ FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "f
 
 def unreadable(cap: Captured) -> str | None:
     """Why the agent can read no answer from the capture, or ``None``: an error the engine reported within its
-    answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, or a choice without
-    an answer (a stream whose answer fails :func:`check_choice`; a complete one raises there); no finish reason (a generation
-    that did not end), or one not in :data:`FINISH_REASONS` (vLLM's ``abort`` or ``error``, an unknown one), of any
-    choice. Such an answer is an upstream failure for the agent (502, CONTRACT §1), never a 200."""
+    answer (a stream that failed mid-generation, an ``error`` beside the choices); no choices, another number than
+    the request's ``n``, or a choice without an answer (a stream whose answer fails :func:`check_choice`; a complete
+    one raises there); for any choice, no finish reason (a generation that did not end) or one not in
+    :data:`FINISH_REASONS` (vLLM's ``abort`` or ``error``, an unknown one). Such an answer is an upstream failure
+    for the agent (502, CONTRACT §1), never a 200."""
     if cap.error:
         return f"engine error during generation: {cap.error}"[:500]
     if cap.shape:
