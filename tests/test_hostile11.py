@@ -197,9 +197,13 @@ def test_calls_that_did_not_sample_from_their_logprobs_are_not_trained():
     odd = [{"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.1}, {"top_k": 40}, {"logit_bias": {"7": 100}},
            {"allowed_token_ids": [7, 8]}, {"response_format": {"type": "json_object"}}, {"min_tokens": 3},
            {"tool_choice": "required"}, {"repetition_penalty": 1.2}, {"temperature": True},
-           {"structured_outputs": {"choice": ["a", "b"]}}]
+           {"structured_outputs": {"choice": ["a", "b"]}},
+           # the third prober: Anthropic structured outputs, which LiteLLM turns into a strict json_schema
+           {"output_format": {"type": "json_schema", "schema": {"type": "object"}}},
+           {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}]
     plain = [{}, {"temperature": 1.0, "top_p": 1, "top_k": -1, "max_tokens": 64, "seed": 3, "stop": ["\n"]},
-             {"tool_choice": "auto", "response_format": {"type": "text"}, "logit_bias": {}}]
+             {"tool_choice": "auto", "response_format": {"type": "text"}, "logit_bias": {}},
+             {"output_config": {"effort": "low"}}]
     for request in odd:
         stats = AggregateStats()
         assert sampling_not_plain(request), request
@@ -429,3 +433,96 @@ def test_a_controller_without_the_key_of_a_keyed_gateway_refuses_to_start(redis_
                                  capture_output=True, text=True, timeout=60, env=env)
             assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, \
                 (extra, out.returncode, out.stderr[-2000:])
+
+
+def test_a_job_template_runs_one_attempt_in_one_pod_once():
+    """The third prober: a Job template with ``parallelism: 3, completions: 3`` (three harness pods sharing one
+    attempt's scoped key, their calls interleaved, three rewards), a ``podFailurePolicy`` that ignores failures or
+    ``completionMode: Indexed`` with ``backoffLimitPerIndex`` (a failed pod rerun inside the attempt) rendered and
+    validated. Each is refused now (a template error naming the field); a Job runs one pod once."""
+    import pytest
+    from agl_common.schemas import Rollout
+    from agl_controller.k8s import JobRenderer
+
+    base = ("apiVersion: batch/v1\nkind: Job\nspec:\n  {extra}\n  template:\n    spec:\n      containers:\n"
+            "        - name: h\n          image: busybox\n")
+    for extra, field in (("parallelism: 3", "parallelism"), ("completions: 3", "completions"),
+                         ("completionMode: Indexed", "completionMode"),
+                         ("backoffLimitPerIndex: 3", "backoffLimitPerIndex"),
+                         ("podFailurePolicy: {rules: [{action: Ignore, onExitCodes: {operator: NotIn, values: [0]}}]}",
+                          "podFailurePolicy"),
+                         ("successPolicy: {rules: [{succeededCount: 1}]}", "successPolicy")):
+        with pytest.raises(ValueError, match=f"spec.{field}"):
+            JobRenderer(base.format(extra=extra), "http://gw", "m").render(Rollout(rollout_id="r", input={}))
+    manifest = JobRenderer(base.format(extra="parallelism: 1"), "http://gw", "m").render(Rollout(rollout_id="r"))
+    assert (manifest["spec"]["parallelism"], manifest["spec"]["completions"], manifest["spec"]["backoffLimit"]) == (1, 1, 0)
+
+
+async def test_a_drain_does_not_take_an_empty_registry_at_its_word(store, redis_url, prefix, upstream):
+    """The third prober: right after Redis came back without the replica registry (a restart, a failover),
+    ``pause`` said "drained: 0 replica(s)" in 0.6 s while a call was still in flight (a trainer would swap weights
+    under it). An empty registry is now believed only after a replica would have heartbeaten into it: the pause
+    waits for the replica to come back and drain."""
+    import asyncio
+    import time
+
+    from agl_common.control import pause_and_drain, resume
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url, replica_id="gw-a", max_hold=60) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            slow = asyncio.create_task(c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "x_delay": 2.0}))
+            while not upstream.app.state.calls:
+                await asyncio.sleep(0.02)
+            await store.drop_replica("gw-a")  # what Redis coming back empty looks like to the trainer
+            t0 = time.monotonic()
+            replicas = await pause_and_drain(store, timeout_s=30)
+            assert [r.replica_id for r in replicas] == ["gw-a"] and slow.done(), time.monotonic() - t0
+            assert (await slow).status_code == 200
+            await resume(store, release_all=True)
+
+
+def test_rows_of_an_unregistered_group_do_not_change_with_the_filter(redis_url, prefix):
+    """The third prober: a group made with ``rollouts create --group g1`` (never registered by a trainer) was
+    taken as "the rollouts the filter kept": its rows had advantages ±0.707 with ``--shape rows`` alone, 0.0 with
+    ``--min-reward 0.5``, and ``--rollout X`` gave no row at all. The group is now every rollout carrying its id."""
+    import asyncio
+    import json
+
+    import pytest
+    from agl_common.schemas import Rollout, RolloutStatus
+    from agl_common.store import Store
+    from agl_trainer.cli import app
+    from typer.testing import CliRunner
+
+    from test_export import chat
+
+    async def seed() -> None:
+        store = Store(redis_url, prefix)
+        q = {"role": "user", "content": "3+4?"}
+        for k, reward in enumerate((1.0, 1.0, 0.0, 0.0)):
+            rid = f"made-{k}"
+            await store.create_rollout(Rollout(rollout_id=rid, input={"q": 1}, group_id="g1"), enqueue=False)
+            await store.set_status(rid, RolloutStatus.running)
+            await store.record_call(chat(rid, 0, [q], {"role": "assistant", "content": "7"}, [1, 2, 3], [7, 2]))
+
+            def change(r, reward=reward):
+                r.reward = reward
+            await store.update_rollout(rid, change)
+            await store.set_status(rid, RolloutStatus.succeeded)
+        await store.close()
+
+    asyncio.run(seed())
+
+    def rows(*args: str) -> dict[str, float]:
+        res = CliRunner().invoke(app, ["rollouts", "export", "--shape", "rows", "--redis", redis_url, "--prefix",
+                                       prefix, *args])
+        assert res.exit_code == 0, res.output
+        return {r["rollout_id"]: r["advantage"] for r in map(json.loads, res.stdout.splitlines())}
+
+    every = rows()
+    assert every["made-0"] == pytest.approx(0.866, abs=1e-3) and every["made-3"] == pytest.approx(-0.866, abs=1e-3)
+    assert rows("--min-reward", "0.5") == {k: every[k] for k in ("made-0", "made-1")}
+    assert rows("--rollout", "made-2") == {"made-2": every["made-2"]}

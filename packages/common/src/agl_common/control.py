@@ -41,8 +41,9 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
     """Hold pause ``pause_id`` (default: a new one; end it with ``resume(release=pause_id)``) on all gateway
     replicas and wait until each reports its in-flight calls drained.
 
-    Returns the replicas' statuses at the moment of the acknowledgement. With no live replica, returns
-    ``[]`` at once (nothing can be in flight). A replica whose heartbeat is late (its event loop starved under
+    Returns the replicas' statuses at the moment of the acknowledgement. With no replica in the registry for
+    :data:`agl_common.store.REPLICA_TTL_S` seconds (or ``timeout_s`` if shorter), returns ``[]`` (nothing can be in
+    flight; a registry found empty is not believed at once: Redis may have just come back without it). A replica whose heartbeat is late (its event loop starved under
     CPU contention) is waited for like a live one, until it acknowledges or leaves the registry
     (:data:`agl_common.store.REPLICA_LATE_S` after its last heartbeat). Raises :class:`DrainTimeout` after
     ``timeout_s`` seconds, naming the replicas that did not acknowledge (late ones marked).
@@ -58,12 +59,17 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
     command = ControlCommand(cmd="pause", id=pause_id or new_pause_id(), expires_at=time.time() + max_pause_s)
     try:
         await store.publish_control(command)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while True:
             replicas = await store.replicas(include_late=True)
-            if all(r.paused and command.id in r.drained_ids for r in replicas):
+            now_m = time.monotonic()
+            # an empty registry is believed only once a replica would have heartbeaten into it: right after Redis
+            # came back empty (a restart, a failover) a replica with calls in flight is missing for a heartbeat
+            settled = replicas or now_m - start >= min(REPLICA_TTL_S, timeout_s)
+            if settled and all(r.paused and command.id in r.drained_ids for r in replicas):
                 return replicas
-            if time.monotonic() > deadline:
+            if now_m > deadline:
                 now = time.time()
                 waiting = [r.replica_id + (f" (heartbeat {now - r.updated_at:.0f} s late)"
                                            if now - r.updated_at >= REPLICA_TTL_S else f" ({r.in_flight} in flight)")

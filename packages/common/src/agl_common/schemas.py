@@ -218,7 +218,8 @@ class CallRecord(BaseModel):
 
 #: Request fields that change the sampling distribution, each with the values that leave it plain (softmax of the
 #: raw logits: temperature 1, no truncation, penalty, bias, mask or constraint). OpenAI chat/completions and vLLM's
-#: extras; Anthropic and Responses bodies use the same names for what they share (``top_k``, ``text``).
+#: extras; Anthropic and Responses bodies use the same names for what they share (``top_k``, ``text``); a dotted
+#: name is a field of an object (``output_config.format``).
 PLAIN_SAMPLING: dict[str, tuple[Any, ...]] = {
     "temperature": (None, 1), "top_p": (None, 1), "top_k": (None, -1, 0), "min_p": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
@@ -227,6 +228,7 @@ PLAIN_SAMPLING: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "use_beam_search": (None, False),
     "tool_choice": (None, "auto", "none", {"type": "auto"}, {"type": "none"}),
     "text": (None, {}, {"format": {"type": "text"}}),
+    "output_format": (None,), "output_config.format": (None,),  # Anthropic structured outputs (constrained)
 }
 
 
@@ -240,8 +242,14 @@ def sampling_not_plain(request: dict[str, Any]) -> str | None:
     def same(value: Any, plain: Any) -> bool:  # (true is not 1 here)
         return value == plain and isinstance(value, bool) == isinstance(plain, bool)
 
-    odd = [f"{name}={request[name]!r:.30}" for name, plain in PLAIN_SAMPLING.items()
-           if name in request and not any(same(request[name], v) for v in plain)]
+    def value(name: str) -> Any:  # "a.b": field b of object a (None where absent)
+        obj: Any = request
+        for part in name.split("."):
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        return obj
+
+    odd = [f"{name}={value(name)!r:.30}" for name, plain in PLAIN_SAMPLING.items()
+           if value(name) is not None and not any(same(value(name), v) for v in plain)]
     return ", ".join(odd[:3]) or None
 
 

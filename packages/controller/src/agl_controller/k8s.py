@@ -235,6 +235,16 @@ class JobRenderer:
         meta["annotations"] = {**(meta.get("annotations") or {}), ROLLOUT_ANNOTATION: rollout.rollout_id}
         spec = m.setdefault("spec", {}) or {}
         m["spec"] = spec
+        # one attempt is one pod, run once: a retry is a new attempt, never a second pod of this one (which would
+        # share its scoped key, interleave its calls and post a second reward)
+        for key, allowed in (("parallelism", (None, 1)), ("completions", (None, 1)),
+                             ("completionMode", (None, "NonIndexed")), ("podFailurePolicy", (None,)),
+                             ("backoffLimitPerIndex", (None,)), ("maxFailedIndexes", (None,)),
+                             ("successPolicy", (None,))):
+            if spec.get(key) not in allowed:
+                raise ValueError(f"spec.{key} {spec[key]!r:.60} would run one attempt in several pods or again: "
+                                 "a Job runs one pod once (a retry is a new attempt: --max-attempts)")
+        spec["parallelism"], spec["completions"] = 1, 1
         spec["backoffLimit"] = 0
         spec["ttlSecondsAfterFinished"] = int(self.ttl_after_finished_s)
         if self.timeout_s and "activeDeadlineSeconds" not in spec:

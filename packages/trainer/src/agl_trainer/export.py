@@ -172,18 +172,25 @@ async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfi
 
 
 async def group_members(store: Store, rollouts: list[Rollout]) -> list[Rollout]:
-    """Every rollout of the groups of ``rollouts`` (from the group registry; a group never registered, e.g.
-    rollouts made with ``rollouts create``, is the given rollouts that carry its id), each once, in order."""
+    """Every rollout of the groups of ``rollouts``, each once, in order: a registered group's members (the group
+    registry); for a group never registered (rollouts made with ``rollouts create --group``), every rollout of the
+    prefix that carries its id, whatever filter chose ``rollouts`` (its advantages must not change with the
+    filter); a rollout without a group, itself."""
     by_group: dict[str, list[Rollout]] = {}
     for r in rollouts:
         by_group.setdefault(r.group_id or r.rollout_id, []).append(r)
     out: dict[str, Rollout] = {}
     infos = await store.groups(list(by_group))
+    everyone: list[Rollout] | None = None
     for (gid, given), info in zip(by_group.items(), infos):
-        if info is None:
+        if info is not None:
+            out.update((r.rollout_id, r) for r in await store.get_rollouts(info.rollout_ids))
+        elif given[0].group_id is None:
             out.update((r.rollout_id, r) for r in given)
         else:
-            out.update((r.rollout_id, r) for r in await store.get_rollouts(info.rollout_ids))
+            if everyone is None:  # read once, only for unregistered groups
+                everyone = await store.get_rollouts(await store.rollout_ids())
+            out.update((r.rollout_id, r) for r in everyone if r.group_id == gid)
     return list(out.values())
 
 
