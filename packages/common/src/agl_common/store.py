@@ -27,6 +27,8 @@ key                                 type      holds
 ``P {E}:pauses``                    hash      held pauses: pause id → Unix time it expires (owned pauses)
 ``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 30 s
 ``P {E}:replicas``                  zset      replica ids scored by the Unix time their membership expires
+``P {E}:replica-owner:{id}``        string    the token of the gateway process holding replica id ``id``,
+                                              expires :data:`REPLICA_TTL_S` after its last heartbeat
 ``P {E}:completed``                 stream    one entry per move to succeeded/failed (``rid``, ``gid``,
                                               ``aid``), appended right after the status is written
                                               (:meth:`Store.announce_completed`); read by trainers
@@ -115,6 +117,27 @@ return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
 #: most record bytes an attempt may hold. The rollout is read in the same step as the write: a call held by a
 #: pause, or in flight, while its rollout finished or its attempt was retried is refused here, whatever the
 #: gateway checked when the call came in. Negative returns: see :data:`RECORD_REFUSED`.
+#: A heartbeat of the replica owning ``KEYS[1]`` (``ARGV[1]``: its token): renew its ownership, write its status
+#: (``KEYS[2]``) and its registry entry (``KEYS[3]``); 0 and nothing written if another process owns the id.
+_OWNED_HEARTBEAT = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[6])
+return 1
+"""
+
+#: Forget replica id ``KEYS[1]`` unless a process other than ``ARGV[1]`` owns it (``ARGV[1]`` empty: whoever
+#: does): delete its ownership, its status (``KEYS[2]``) and its registry entry (``KEYS[3]``, member ``ARGV[2]``).
+_DROP_REPLICA = """
+local owner = redis.call('GET', KEYS[1])
+if ARGV[1] ~= '' and owner and owner ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+return 1
+"""
+
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then
@@ -282,6 +305,8 @@ class Store:
         self.r: aioredis.Redis | RedisCluster = connect(redis_url, max_connections)
         self._record_script = self.r.register_script(_RECORD_CALL)
         self._event_script = self.r.register_script(_ADD_EVENT)
+        self._heartbeat_script = self.r.register_script(_OWNED_HEARTBEAT)
+        self._drop_replica_script = self.r.register_script(_DROP_REPLICA)
         self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
         self._layout_ok = False
 
@@ -671,21 +696,40 @@ class Store:
         raw = await self.r.get(self.key("control:last"))
         return ControlCommand.model_validate_json(raw) if raw else None
 
-    async def heartbeat(self, status: ReplicaStatus) -> None:
-        """Write the replica's status and register it in ``P replicas`` (a zset scored by the Unix time its
-        membership expires, :data:`REPLICA_LATE_S` after this heartbeat), in one round trip."""
-        status.updated_at = time.time()
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.key("replica", status.replica_id), status.model_dump_json(), ex=REPLICA_LATE_S)
-        pipe.zadd(self.key("replicas"), {status.replica_id: status.updated_at + REPLICA_LATE_S})
-        await pipe.execute()
+    async def claim_replica(self, replica_id: str, owner: str) -> bool:
+        """Take replica id ``replica_id`` for the process whose token is ``owner`` (``SET NX``: of two gateways
+        starting under one id, one gets it). ``True`` if it is ``owner``'s now (or was already); ``False`` while
+        another process owns it: its ownership lapses :data:`REPLICA_TTL_S` after that one's last heartbeat."""
+        key = self.key("replica-owner", replica_id)
+        if await self.r.set(key, owner, nx=True, px=int(REPLICA_TTL_S * 1000)):
+            return True
+        held = await self.r.get(key)
+        return held is not None and held.decode() == owner
 
-    async def drop_replica(self, replica_id: str) -> None:
-        """Forget a replica at once (a clean shutdown): its status and its registry entry."""
+    async def heartbeat(self, status: ReplicaStatus, owner: str | None = None) -> bool:
+        """Write the replica's status and register it in ``P replicas`` (a zset scored by the Unix time its
+        membership expires, :data:`REPLICA_LATE_S` after this heartbeat), in one round trip. With ``owner`` (the
+        token of :meth:`claim_replica`) its ownership is renewed in the same step, and nothing is written if
+        another process owns the id: returns ``False`` then, ``True`` otherwise."""
+        status.updated_at = time.time()
+        rid = status.replica_id
+        if owner is not None:
+            return bool(await self._heartbeat_script(
+                keys=[self.key("replica-owner", rid), self.key("replica", rid), self.key("replicas")],
+                args=[owner, int(REPLICA_TTL_S * 1000), status.model_dump_json(), REPLICA_LATE_S,
+                      status.updated_at + REPLICA_LATE_S, rid]))
         pipe = self.r.pipeline(transaction=False)
-        pipe.delete(self.key("replica", replica_id))
-        pipe.zrem(self.key("replicas"), replica_id)
+        pipe.set(self.key("replica", rid), status.model_dump_json(), ex=REPLICA_LATE_S)
+        pipe.zadd(self.key("replicas"), {rid: status.updated_at + REPLICA_LATE_S})
         await pipe.execute()
+        return True
+
+    async def drop_replica(self, replica_id: str, owner: str = "") -> None:
+        """Forget a replica at once (a clean shutdown): its status, its registry entry and its ownership, unless
+        a process other than ``owner`` owns the id (then nothing; ``owner`` empty: whoever owns it)."""
+        await self._drop_replica_script(
+            keys=[self.key("replica-owner", replica_id), self.key("replica", replica_id), self.key("replicas")],
+            args=[owner, replica_id])
 
     async def replicas(self, include_late: bool = False) -> list[ReplicaStatus]:
         """Gateway replicas from the ``P replicas`` registry (two round trips whatever the keyspace holds;

@@ -131,7 +131,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model) if settings.model else None,
                           metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
         app.state.agl = st
-        await claim_replica_id(store, settings.replica_id)
+        await claim_replica_id(store, settings.replica_id, st.owner)
+        with contextlib.suppress(RedisError, OSError):  # registered before the first call can be answered
+            await _heartbeat(st)
         tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
                  asyncio.create_task(_discover_model(st))]
         # LiteLLM is not imported here: the first translated call starts its import (translate.ready()).
@@ -147,7 +149,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             if st.pause_expiry is not None:
                 st.pause_expiry.cancel()
             with contextlib.suppress(Exception):
-                await store.drop_replica(settings.replica_id)
+                await store.drop_replica(settings.replica_id, st.owner)
             await http.close()
             await store.close()
             if st.tracer is not None:
@@ -255,39 +257,46 @@ class ReplicaIdLive(RuntimeError):
     """Another live gateway replica heartbeats under this replica id."""
 
 
-async def claim_replica_id(store: Store, replica_id: str) -> None:
-    """Make sure no live replica uses ``replica_id`` before this one heartbeats under it (two replicas of one id
-    overwrite each other's status: a pause would count one replica's in-flight calls, and call a replica that
-    still forwards calls drained). A heartbeat younger than :data:`~agl_common.store.REPLICA_TTL_S` is watched
-    until it ages past that (a replica that crashed and restarts under its id waits that long at most); one
-    renewed meanwhile raises :class:`ReplicaIdLive`. Redis out of reach: not checked (the heartbeat loop retries,
-    as before)."""
+async def claim_replica_id(store: Store, replica_id: str, owner: str) -> None:
+    """Take ``replica_id`` for this process (token ``owner``) before it heartbeats under it: two replicas of one
+    id overwrite each other's status (a pause would count one replica's in-flight calls, and call a replica that
+    still forwards calls drained). The id is taken atomically (:meth:`Store.claim_replica`, ``SET NX``: of two
+    gateways starting together, one gets it); one held by another process is tried again until its ownership
+    lapses (a replica that crashed: :data:`~agl_common.store.REPLICA_TTL_S` after its last heartbeat), and one
+    still held past that (a live replica renews it) raises :class:`ReplicaIdLive`. Redis out of reach: not
+    checked (the heartbeat loop retries, as before)."""
+    deadline = time.monotonic() + REPLICA_TTL_S + 1
     try:
-        last = await store.replica(replica_id)
-        while last is not None and time.time() - last.updated_at < REPLICA_TTL_S:
-            await asyncio.sleep(0.25)
-            now = await store.replica(replica_id)
-            if now is not None and now.updated_at != last.updated_at:
+        while not await store.claim_replica(replica_id, owner):
+            if time.monotonic() > deadline:
                 raise ReplicaIdLive(f"gateway replica id {replica_id!r} is live: another gateway heartbeats under "
                                     "it; give this one another AGL_REPLICA_ID (or stop the other)")
-            last = now
+            await asyncio.sleep(0.25)
     except (RedisError, OSError) as exc:
         log.warning("could not check that replica id %r is free: %s", replica_id, exc)
+
+
+async def _heartbeat(st: GatewayState) -> None:
+    """Publish this replica's status once (and renew its ownership of its id)."""
+    gate = st.gate
+    policy = st.policy
+    status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
+                           held=gate.held, drained_ids=sorted(gate.drained_ids), model=policy and policy.model,
+                           version=policy.version if policy else 0)
+    if not await st.store.heartbeat(status, st.owner):
+        log.error("replica id %r is held by another gateway process (this one's heartbeats stopped for more than "
+                  "%s s): its status is not written until that one stops", st.settings.replica_id, REPLICA_TTL_S)
+        return
+    if gate.last_drain_s is not None:
+        st.metrics.drain_seconds.observe(gate.last_drain_s)
+        gate.last_drain_s = None
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
     """Publish this replica's status every ``heartbeat_s`` seconds, and at once on a gate change."""
     while True:
-        gate = st.gate
-        policy = st.policy
-        status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
-                               held=gate.held, drained_ids=sorted(gate.drained_ids), model=policy and policy.model,
-                               version=policy.version if policy else 0)
         try:
-            await st.store.heartbeat(status)
-            if gate.last_drain_s is not None:
-                st.metrics.drain_seconds.observe(gate.last_drain_s)
-                gate.last_drain_s = None
+            await _heartbeat(st)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -165,7 +165,8 @@ class Captured:
 
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
-    object with a ``content`` (a string or null) or tool calls, whose ``tool_calls`` (if any) are objects with a
+    object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
+    ``reasoning_content`` and ``reasoning`` strings or null, its ``tool_calls`` (if any) objects with a
     non-empty ``id``, ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
     string ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on
     both, ``logprobs`` null or an object whose lists are lists. Complete answers and streams
@@ -182,8 +183,11 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     message = choice.get("message")
     if not isinstance(message, dict):
         raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no message object")
-    if message.get("content") is not None and not isinstance(message["content"], str):
-        raise MalformedUpstream("'message.content' is not a string")
+    for field in ("content", "refusal", "reasoning_content", "reasoning"):  # (the translated routes failed on these)
+        if message.get(field) is not None and not isinstance(message[field], str):
+            raise MalformedUpstream(f"'message.{field}' is not a string")
+    if message.get("role", "assistant") != "assistant":
+        raise MalformedUpstream(f"'message.role' is {message['role']!r:.30}, not 'assistant'")
     calls = message.get("tool_calls")
     if "content" not in message and not calls:  # (translated: Anthropic `content: []`, Responses `output: []`)
         raise MalformedUpstream("the message holds neither content nor tool calls")
@@ -371,6 +375,8 @@ class StreamCapture:
             if not isinstance(piece, str):
                 raise MalformedUpstream("'delta.content' is not a string")
             self.text.append(piece)
+            if delta.get("role", "assistant") not in ("assistant", None):
+                raise MalformedUpstream(f"'delta.role' is {delta['role']!r:.30}, not 'assistant'")
             for name, value in delta.items():  # strings are pieces of one field (reasoning); others: the last one
                 if name in ("role", "content", "tool_calls") or value is None:
                     continue

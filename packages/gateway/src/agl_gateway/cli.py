@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 
 import typer
 
@@ -69,12 +71,16 @@ def serve(
 
 async def _claim(settings: GatewaySettings) -> None:
     from agl_common.store import Store
+    from redis.exceptions import RedisError
 
     from .app import claim_replica_id
 
     store = Store(settings.redis_url, settings.prefix, max_connections=2)
-    try:
-        await claim_replica_id(store, settings.replica_id)
+    owner = secrets.token_hex(8)
+    try:  # a check only: the app takes the id itself when it starts
+        await claim_replica_id(store, settings.replica_id, owner)
+        with contextlib.suppress(RedisError, OSError):
+            await store.drop_replica(settings.replica_id, owner)
     finally:
         await store.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ class GatewayState:
     tasks: set[asyncio.Task] = field(default_factory=set)
     pause_expiry: asyncio.TimerHandle | None = None
     tracer: Any = None  # agl_gateway.otel.CallTracer when --otel, else None
+    #: this process's token for its replica id (:meth:`agl_common.store.Store.claim_replica`)
+    owner: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
 def state_of(request: Request) -> GatewayState:

@@ -159,6 +159,8 @@ def _check_blocks(blocks: Any, allowed: tuple[str, ...], what: str, where: str) 
             _check_blocks(block["content"], _TOOL_RESULT_BLOCKS, what, f"{at} content")
         if kind == "image":
             _check_image_source(block["source"], what, at)
+        if kind == "input_image" and not (isinstance(block.get("image_url"), str) and block["image_url"]):
+            raise _refuse(what, at, "(input_image) needs a non-empty 'image_url' (a file_id is not translated)")
 
 
 def _check_image_source(source: dict, what: str, where: str) -> None:
@@ -198,9 +200,18 @@ def check_anthropic(body: dict[str, Any]) -> None:
     if body.get("n") not in (None, 1):  # not an Anthropic field: LiteLLM forwarded it and the agent saw 1 of n
         raise _refuse(what, "'n'", f"is not an Anthropic Messages field (one answer per call), got {body['n']!r:.20}")
     choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "none", "tool")
+                                   and (choice["type"] != "tool" or _name(choice.get("name")))):
+        raise _refuse(what, "'tool_choice'", "must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": "
+                      f"\"tool\", \"name\": ...}}, got {choice!r:.60}")
     if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):  # LiteLLM drops the flag
         raise _refuse(what, "'tool_choice'", "disable_parallel_tool_use is not translated (the engine would make "
                       "parallel tool calls anyway)")
+
+
+def _name(value: Any) -> bool:
+    """A tool name the engine can be asked for: a non-empty string."""
+    return isinstance(value, str) and bool(value)
 
 
 #: Responses options the translation to Chat Completions drops: only their default passes (LiteLLM 1.x leaves
@@ -244,8 +255,24 @@ def check_responses(body: dict[str, Any]) -> None:
                               "assistant, system, developer")
             _check_blocks(item.get("content"), _RESPONSES_PARTS, what, f"item {i} content")
         _check_fields(item, kind, what, f"item {i}")
+        if kind == "function_call_output" and isinstance(item["output"], list):  # (LiteLLM sent [5] as "[5]")
+            _check_blocks(item["output"], ("input_text", "input_image"), what, f"item {i} output")
     _check_tools(body.get("tools"), what, lambda tool: tool.get("type") == "function"
                  and isinstance(tool.get("name"), str))
+    choice = body.get("tool_choice")  # (LiteLLM dropped a value it could not read, such as 5)
+    if choice is not None and choice not in ("none", "auto", "required") and not (
+            isinstance(choice, dict) and choice.get("type") == "function" and _name(choice.get("name"))):
+        raise _refuse(what, "'tool_choice'", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                      f"\"name\": ...}}, got {choice!r:.60}")
+    text = body.get("text")  # (LiteLLM dropped a text that is no object, and always drops the verbosity)
+    if text is not None:
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
+                or text.get("verbosity") not in (None, "medium")
+                or (fmt is not None and not (isinstance(fmt, dict)
+                                             and fmt.get("type") in ("text", "json_object", "json_schema")))):
+            raise _refuse(what, "'text'", "must be an object with 'format' (type text, json_object or json_schema) and "
+                          f"'verbosity' only at its default (\"medium\"), got {text!r:.60}")
 
 
 def _check_tools(tools: Any, what: str, is_function: Any) -> None:

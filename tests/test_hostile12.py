@@ -1,0 +1,116 @@
+"""Hostile input, round 12 (docs/operations.md "Hostile input"): what round 11 left open, and the round's probers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+
+from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
+from test_hostile6 import _last, _one
+
+
+async def test_translated_options_the_translation_would_drop_or_bend_are_refused(store, redis_url, prefix, upstream):
+    """Round 11 left open: a Responses ``input_image`` without ``image_url`` was sent as ``{"url": ""}``;
+    ``tool_choice: 5``, ``text: 5`` and ``text.verbosity`` were dropped; ``function_call_output.output: [5]``
+    became the text ``"[5]"``; an Anthropic ``tool_choice: {"type": "tool"}`` without a name reached the engine as an
+    empty function name. Each is a 400 naming the field, before the engine; their well-formed forms still pass."""
+    await make_rollout(store, "r1")
+    call = [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}]
+    fn = [{"type": "function", "name": "add", "parameters": {"type": "object"}}]
+    bad = [({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "image_url"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": ""}]}]}, "image_url"),
+           ({"input": call + [{"type": "function_call_output", "call_id": "c1", "output": [5]}]}, "output"),
+           ({"input": "hi", "tools": fn, "tool_choice": 5}, "tool_choice"),
+           ({"input": "hi", "tools": fn, "tool_choice": {"type": "function"}}, "tool_choice"),
+           ({"input": "hi", "text": 5}, "'text'"),
+           ({"input": "hi", "text": {"verbosity": "low"}}, "'text'"),
+           ({"input": "hi", "text": {"format": {"type": "banana"}}}, "'text'")]
+    good = [{"input": call + [{"type": "function_call_output", "call_id": "c1",
+                               "output": [{"type": "input_text", "text": "7"}]}]},
+            {"input": "hi", "tools": fn, "tool_choice": {"type": "function", "name": "add"}},
+            {"input": "hi", "tools": fn, "tool_choice": "required"},
+            {"input": "hi", "text": {"format": {"type": "text"}, "verbosity": "medium"}}]
+    anthropic_tools = [{"name": "add", "input_schema": {"type": "object"}}]
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for body, word in bad:
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/responses", json={"model": "m", **body})
+                assert r.status_code == 400 and word in r.text, (body, r.status_code, r.text[:300])
+            for choice in ({"type": "tool"}, {"type": "tool", "name": ""}, "auto", {"type": "banana"}):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json={
+                    "model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"}],
+                    "tools": anthropic_tools, "tool_choice": choice})
+                assert r.status_code == 400 and "tool_choice" in r.text, (choice, r.status_code, r.text[:300])
+            assert await store.read_calls("r1") == []  # refused before the engine: nothing recorded
+            for body in good:
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/responses", json={"model": "m", **body})
+                assert r.status_code == 200, (body, r.status_code, r.text[:300])
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json={
+                "model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"}],
+                "tools": anthropic_tools, "tool_choice": {"type": "tool", "name": "add"}})
+            assert r.status_code == 200, r.text[:300]
+
+
+async def test_odd_message_fields_are_an_upstream_error_on_every_route(store, redis_url, prefix, upstream):
+    """Round 10 left open: ``reasoning_content: 5``, a ``refusal`` object or a ``role: "user"`` answer were ``ok`` on
+    chat and a 502 (or ``ok``) on the translated routes. One definition now (``capture.check_choice``): a 502 and an
+    error record on every route; a string ``reasoning_content`` still passes."""
+    from fakes import chat_answer, chat_chunks
+
+    await make_rollout(store, "r1")
+    bodies = {"chat/completions": {"model": "m", "messages": [{"role": "user", "content": "3+4?"}]},
+              "messages": {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "3+4?"}]},
+              "responses": {"model": "m", "input": "3+4?"}}
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for field, value, status in (("reasoning_content", 5, 502), ("refusal", {"x": 1}, 502),
+                                         ("reasoning", ["a"], 502), ("role", "user", 502),
+                                         ("reasoning_content", "thinking", 200)):
+                answer = chat_answer("up", [1, 2, 3], [5, 6, 2])
+                answer["choices"][0]["message"][field] = value
+                upstream.app.state.plan = ("body", 200, orjson.dumps(answer))
+                for path, body in bodies.items():
+                    r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{path}", json=body)
+                    assert r.status_code == status, (field, path, r.status_code, r.text[:300])
+                    assert (await _last(store)).status == ("ok" if status == 200 else "error"), (field, path)
+            chunks = chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])
+            upstream.app.state.plan = ("stream", [chunks[0].replace(b'"role":"assistant"', b'"role":"user"')]
+                                       + chunks[1:], "done")
+            r = await _one(c, gw, {"stream": True})
+            assert "upstream_error" in r.text and "[DONE]" not in r.text, r.text[-300:]
+            assert (await _last(store)).status == "error"
+    upstream.app.state.plan = None
+
+
+async def test_two_gateways_claiming_one_replica_id_at_once_get_it_once(store):
+    """Round 11 left open: two gateways started within the same quarter second under one replica id could both
+    pass the check (it read, then heartbeated). The id is now taken with ``SET NX``: of two claims at once,
+    exactly one gets it, the other is refused once the owner has heartbeated past the ownership's lifetime; a
+    heartbeat of a process that does not own the id writes nothing."""
+    import pytest
+    from agl_common.schemas import ReplicaStatus
+    from agl_common.store import REPLICA_TTL_S
+    from agl_gateway.app import ReplicaIdLive, claim_replica_id
+
+    got = await asyncio.gather(*(store.claim_replica("gw", f"p{i}") for i in range(8)))
+    assert sum(got) == 1
+    owner = f"p{got.index(True)}"
+    other = "p0" if owner != "p0" else "p1"
+    assert not await store.heartbeat(ReplicaStatus(replica_id="gw", in_flight=7), other)
+    assert await store.replica("gw") is None  # the intruder wrote nothing
+
+    async def beat() -> None:  # the owner, alive
+        for _ in range(int(REPLICA_TTL_S * 4) + 8):
+            assert await store.heartbeat(ReplicaStatus(replica_id="gw"), owner)
+            await asyncio.sleep(0.5)
+
+    beating = asyncio.create_task(beat())
+    with pytest.raises(ReplicaIdLive):
+        await claim_replica_id(store, "gw", other)
+    beating.cancel()
+    await store.drop_replica("gw", other)  # not its id: nothing is dropped
+    assert (await store.replica("gw")) is not None
+    await store.drop_replica("gw", owner)
+    assert await store.claim_replica("gw", other)
