@@ -407,7 +407,7 @@ def test_a_run_does_not_start_on_a_prefix_another_runs_gateway_serves(redis_url,
     cfg = TrainConfig(redis_url=redis_url, prefix=prefix)
     with serve(redis_url, prefix, "http://127.0.0.1:9/v1", replica_id="other-run") as gw:
         with pytest.raises(PrefixInUse, match="other-run"):
-            check_prefix_free(cfg)
+            check_prefix_free(cfg, wait_s=1.0)
         check_prefix_free(cfg.with_fields(gateway_url=gw.url))
         path = tmp_path / "train.yaml"
         path.write_text(yaml.safe_dump({"redis_url": redis_url, "prefix": prefix, "out_dir": str(tmp_path / "runs")}))

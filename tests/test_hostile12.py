@@ -114,3 +114,31 @@ async def test_two_gateways_claiming_one_replica_id_at_once_get_it_once(store):
     assert (await store.replica("gw")) is not None
     await store.drop_replica("gw", owner)
     assert await store.claim_replica("gw", other)
+
+
+def test_a_run_does_not_start_on_a_prefix_a_controller_alone_runs(redis_url, prefix):
+    """Round 11 left open: a prefix used by a controller alone (its gateway elsewhere, or not started yet) was
+    taken as free: the run's own controller would share its queue. A live controller lease now counts as a user of
+    the prefix (watched a while first); one that lapses meanwhile does not."""
+    import time
+
+    import pytest
+    from agl_common.store import Store
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.stack import PrefixInUse, check_prefix_free
+
+    async def lease(ttl_s: float) -> None:
+        store = Store(redis_url, prefix)
+        try:
+            await store.renew_lease("ctl-other", ttl_s)
+        finally:
+            await store.close()
+
+    cfg = TrainConfig(redis_url=redis_url, prefix=prefix)
+    asyncio.run(lease(30.0))  # a live controller (it renews within its lease)
+    t0 = time.monotonic()
+    with pytest.raises(PrefixInUse, match="controller.*ctl-other"):
+        check_prefix_free(cfg, wait_s=1.0)
+    assert time.monotonic() - t0 >= 1.0
+    asyncio.run(lease(1.0))  # a controller killed after its last renewal: its lease lapses while watched
+    check_prefix_free(cfg, wait_s=5.0)

@@ -823,6 +823,16 @@ class Store:
         """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""
         await self.r.delete(self.key("controller", controller_id))
 
+    async def live_controllers(self) -> list[str]:
+        """Ids of the registered controllers whose lease is alive (sorted; from the ``P controllers`` registry)."""
+        ids = sorted(i.decode() for i in await self.r.smembers(self.key("controllers")))
+        if not ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for cid in ids:  # EXISTS each (a cluster pipeline refuses a multi-key EXISTS)
+            pipe.exists(self.key("controller", cid))
+        return [cid for cid, n in zip(ids, await pipe.execute()) if n]
+
     async def claim_owners(self) -> dict[str, bool]:
         """Every registered controller id that has a processing list, mapped to whether its lease is still
         alive (from the ``P controllers`` registry, not a keyspace scan). A controller with neither a lease

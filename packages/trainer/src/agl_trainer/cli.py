@@ -97,7 +97,7 @@ def _check_task(cfg, train: bool = True) -> None:
 
 
 def _check_prefix(cfg) -> None:
-    """No live gateway serves the prefix the run would start its own gateway on (:func:`stack.check_prefix_free`):
+    """No live gateway or controller serves the prefix the run would start its own gateway on (:func:`stack.check_prefix_free`):
     one line and exit 2 if one does, before anything starts (the last of the checks at start)."""
     from .stack import PrefixInUse, check_prefix_free
 

@@ -21,13 +21,16 @@ class PrefixInUse(RuntimeError):
     """A live gateway replica already serves the Redis prefix a run would start its own gateway on."""
 
 
-def check_prefix_free(cfg: TrainConfig) -> None:
+def check_prefix_free(cfg: TrainConfig, wait_s: float = 16.0) -> None:
     """Before a run starts its own gateway and controller on ``cfg.prefix``: no live gateway replica may serve that
-    prefix in the Redis at ``cfg.redis_url`` (two experiments on one prefix share one queue, one control channel
-    and one policy: each would run, pause and retrain the other's rollouts). Raises :class:`PrefixInUse` naming
-    the replicas; nothing is checked with ``cfg.gateway_url`` (the run uses that gateway on purpose) or where no
-    Redis answers yet (the run starts its own)."""
+    prefix in the Redis at ``cfg.redis_url``, and no live controller run it (two experiments on one prefix share
+    one queue, one control channel and one policy: each would run, pause and retrain the other's rollouts). One
+    found is watched for up to ``wait_s`` seconds (a killed one's heartbeat or lease lapses by then: 5 s for a
+    replica, the controller's ``--lease-ttl``, 15 s by default); still there, it raises :class:`PrefixInUse` naming
+    them. Nothing is checked with ``cfg.gateway_url`` (the run uses that gateway on purpose) or where no Redis
+    answers yet (the run starts its own)."""
     import asyncio
+    import time
 
     from agl_common.store import Store
 
@@ -36,18 +39,24 @@ def check_prefix_free(cfg: TrainConfig) -> None:
     if cfg.gateway_url or not redis_answers(cfg.redis_url):
         return
 
-    async def live() -> list[str]:
+    async def users() -> list[str]:
         store = Store(cfg.redis_url, cfg.prefix, max_connections=2)
+        deadline = time.monotonic() + wait_s
         try:
-            return [r.replica_id for r in await store.replicas()]
+            while True:
+                replicas = [r.replica_id for r in await store.replicas()]
+                controllers = await store.live_controllers()
+                if not (replicas or controllers) or time.monotonic() >= deadline:
+                    return ([f"gateway replica(s) {', '.join(replicas)}"] if replicas else []) + \
+                        ([f"controller(s) {', '.join(controllers)}"] if controllers else [])
+                await asyncio.sleep(0.5)
         finally:
             await store.close()
 
-    replicas = asyncio.run(live())
-    if replicas:
-        raise PrefixInUse(f"prefix {cfg.prefix!r} is in use: gateway replica(s) {', '.join(replicas)} serve it in "
-                          "this Redis (another run?); give this run another prefix (--prefix or prefix: in the "
-                          "config), or stop the other")
+    found = asyncio.run(users())
+    if found:
+        raise PrefixInUse(f"prefix {cfg.prefix!r} is in use: {' and '.join(found)} serve it in this Redis (another "
+                          "run?); give this run another prefix (--prefix or prefix: in the config), or stop the other")
 
 
 def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
