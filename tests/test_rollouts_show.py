@@ -73,3 +73,32 @@ def test_show_with_the_runs_settings_and_bad_input(opts, tmp_path):
     assert res.exit_code == 2 and "no tokenizer in" in res.output
     res = CliRunner().invoke(app, ["rollouts", "show", "nobody", *opts])
     assert res.exit_code == 1 and "unknown rollout 'nobody'" in res.output
+
+
+def test_show_and_the_dashboard_list_the_harness_events(opts, redis_url, prefix, tmp_path):
+    """Round 11 left open: harness events (``POST .../events``) were stored but no CLI or page showed them.
+    ``rollouts show`` lists the last 50 (``--json``: all) with control characters escaped; the rollout's page lists
+    the same, markup escaped."""
+    from fastapi.testclient import TestClient
+    from agl_trainer.ui.server import create_app
+
+    async def post() -> None:
+        store = Store(redis_url, prefix)
+        try:
+            await store.add_event("team-0", "1", "tool\x1b[31m", {"name": "<script>x</script>", "ok": True})
+            for k in range(60):
+                await store.add_event("team-0", "1", "step", {"k": k})
+        finally:
+            await store.close()
+
+    asyncio.run(post())
+    res = CliRunner().invoke(app, ["rollouts", "show", "team-0", *opts])
+    assert res.exit_code == 0, res.output
+    assert "61 event(s) posted by the harness, the last 50:" in res.stdout
+    assert 'step {"k":59}' in res.stdout and 'step {"k":9}' not in res.stdout and "\x1b" not in res.stdout
+    shown = json.loads(CliRunner().invoke(app, ["rollouts", "show", "team-0", "--json", *opts]).stdout)
+    assert len(shown["events"]) == 61 and shown["events"][0]["data"]["name"] == "<script>x</script>"
+    with TestClient(create_app(redis_url, prefix, tmp_path), base_url="http://127.0.0.1") as c:
+        page = c.get("/rollouts/team-0").text
+    assert "61 posted by the harness, the last 50 shown" in page and "{&#34;k&#34;:59}" in page
+    assert "<script>x" not in page

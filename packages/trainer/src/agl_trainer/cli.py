@@ -432,10 +432,11 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
                                                 "breaks with; default: the base model's cached copy if any; none: off"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """One rollout with its recorded calls and the training rows they make: which calls merged into which row,
-    and the merge break (class, offset) that started each later row (``--json``: one JSON object)."""
+    and the merge break (class, offset) that started each later row, then the events its harness posted (the last
+    50; ``--json``: one JSON object, every event)."""
     from agl_common.store import RolloutNotFound
 
-    from .ui.traces import analyse, load_decoder, run_settings
+    from .ui.traces import analyse, event_lines, load_decoder, run_settings
 
     settings = run_settings(_load_config(config, uses_redis=False).model_dump() if config is not None else {})
     try:
@@ -447,12 +448,13 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     async def main():
         store = _store(redis, prefix)
         try:
-            return await store.get_rollout(rollout_id), await store.read_calls(rollout_id)
+            return (await store.get_rollout(rollout_id), await store.read_calls(rollout_id),
+                    await store.read_events(rollout_id))
         finally:
             await store.close()
 
     try:
-        rollout, calls = asyncio.run(main())
+        rollout, calls, events = asyncio.run(main())
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
         raise typer.Exit(1) from None
@@ -464,7 +466,8 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
             for k, row in enumerate(trace.rows)]
     if as_json:
         sys.stdout.write(json.dumps({**rollout.model_dump(mode="json"),
-                                     "calls": [c.model_dump(mode="json") for c in calls], "rows": rows}) + "\n")
+                                     "calls": [c.model_dump(mode="json") for c in calls], "rows": rows,
+                                     "events": events}) + "\n")
         return
     console.print(rollout.model_dump(mode="json"))
     for c in calls:
@@ -486,6 +489,11 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
                              f"sampled); {why}"))
     if not rows:
         console.print("no training row: no usable call in the current attempt")
+    shown = event_lines(events)
+    console.print(f"{len(events)} event(s) posted by the harness" + (f", the last {len(shown)}:" if len(shown) <
+                                                                       len(events) else ":" if events else ""))
+    for e in shown:
+        console.print(escape(printable(f"event {e['attempt']} {e['time']} {e['type']} {e['data']}")))
 
 
 @rollouts_app.command("export")

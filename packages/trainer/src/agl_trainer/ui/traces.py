@@ -217,3 +217,26 @@ def message_text(call: CallRecord) -> str:
         if isinstance(fn, dict):
             text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
     return text
+
+
+#: The events a rollout's page and ``rollouts show`` list: the last this many (a harness may post 1000 an attempt).
+EVENTS_SHOWN = 50
+
+
+def event_lines(events: list[dict[str, Any]], data_chars: int = 300) -> list[dict[str, str]]:
+    """The last :data:`EVENTS_SHOWN` of a rollout's harness events (``Store.read_events``) as text: ``attempt``,
+    ``type``, ``time`` (UTC, ISO 8601, seconds) and ``data`` (compact JSON, cut to ``data_chars`` characters).
+    Whatever a harness posted, every value is a ``str`` (escaping is the page's or the terminal's job)."""
+    import datetime
+    import json
+
+    out = []
+    for e in events[-EVENTS_SHOWN:]:
+        t = e.get("t")
+        when = (datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+                if isinstance(t, int | float) and 0 <= t < 1e11 else "-")
+        data = json.dumps(e.get("data"), separators=(",", ":"), ensure_ascii=False)
+        out.append({"attempt": str(e.get("attempt_id")), "type": str(e.get("type")), "time": when,
+                    "data": data if len(data) <= data_chars else data[:data_chars] + "…"})
+    return out
+
