@@ -142,3 +142,57 @@ def test_a_run_does_not_start_on_a_prefix_a_controller_alone_runs(redis_url, pre
     assert time.monotonic() - t0 >= 1.0
     asyncio.run(lease(1.0))  # a controller killed after its last renewal: its lease lapses while watched
     check_prefix_free(cfg, wait_s=5.0)
+
+
+def test_every_reader_takes_the_recorded_choice_of_index_0():
+    """The second prober: with ``n: 2`` and an engine listing choice 1 first, the record held choice 0's token ids
+    but the reward function (``final_output``), the dashboard (``message_text``) and the SFT export read choice 1:
+    a judge scored one sample while PPO trained another. Every reader now takes the choice of index 0."""
+    from agl_common.schemas import CallRecord, answer_text, first_choice
+    from agl_controller.base import final_output
+    from agl_trainer.export import ExportStats, conversations
+    from agl_trainer.ui.traces import message_text
+
+    def msg(index: int, text: str) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+
+    rec = CallRecord(rollout_id="r1", attempt_id="0", seq=0, route="chat",
+                     request={"model": "m", "n": 2, "messages": [{"role": "user", "content": "3+4?"}]},
+                     response={"choices": [msg(1, "ONE"), msg(0, "ZERO")]}, prompt_token_ids=[1, 2, 3],
+                     response_token_ids=[5, 6, 2], response_logprobs=[-0.1] * 3, finish_reason="stop")
+    assert first_choice(rec)["message"]["content"] == "ZERO"
+    assert answer_text(rec) == final_output([rec]) == message_text(rec) == "ZERO"
+    [(conv, _, _)] = conversations([rec], ExportStats())
+    assert conv[-1]["content"] == "ZERO"
+    odd = rec.model_copy(update={"response": {"choices": [{"index": True, "text": "x"}, {"index": "0", "text": "y"}]},
+                                 "route": "completions"})
+    assert first_choice(odd) == {} and answer_text(odd) == ""
+
+
+def test_a_gateway_url_s_secrets_are_shown_nowhere(tmp_path):
+    """The second prober: a ``gateway_url`` with a password was written as is to ``config.json`` and the trackers
+    (``TrainConfig.shown``), printed at start and put on the controller's public command line; an engine URL's
+    ``?api_key=`` was shown (only ``password=`` was hidden). Now the three URLs are shown redacted, secret query
+    parameters too, and the gateway URL reaches the controller in its environment."""
+    from agl_common.settings import redacted_url
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.services import Services
+
+    cfg = TrainConfig(gateway_url="http://u:s3cret@127.0.0.1:8080", engine_url="http://127.0.0.1:8000?api_key=k3y")
+    shown = orjson.dumps(cfg.shown()).decode()
+    assert "s3cret" not in shown and "k3y" not in shown and "127.0.0.1:8080" in shown
+    assert redacted_url("http://h:1/v1?token=t0k&model=m&X-Auth=a1") == "http://h:1/v1?token=***&model=m&X-Auth=***"
+
+    seen = {}
+
+    class Recording(Services):
+        def start(self, name, argv, env=None, **kw):
+            seen[name] = (argv, env)
+
+        def expect_running(self, name):
+            pass
+
+    Recording(tmp_path).start_controller("true", "http://u:s3cret@127.0.0.1:8080", "redis://127.0.0.1:6379/0", "p:",
+                                         "m", 1, 10.0, tmp_path)
+    argv, env = seen["controller"]
+    assert "s3cret" not in " ".join(argv) and env["AGL_GATEWAY_URL"] == "http://u:s3cret@127.0.0.1:8080"

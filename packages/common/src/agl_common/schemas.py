@@ -254,11 +254,16 @@ def sampling_not_plain(request: dict[str, Any]) -> str | None:
 
 
 def first_choice(call: CallRecord) -> dict[str, Any]:
-    """``choices[0]`` of a recorded chat or completions answer, ``{}`` when the answer has no such object (an error,
-    another route, an odd shape). Its ``message`` (chat) may still be anything: check before use."""
+    """The choice of ``index`` 0 of a recorded chat or completions answer (the one whose token ids the record holds,
+    wherever the engine put it in ``choices``; a choice without ``index`` takes its position), ``{}`` when the
+    answer has no such object (an error, another route, an odd shape). Its ``message`` (chat) may still be
+    anything: check before use. The one reading of "the answer" for reward functions, the dashboard and export."""
     resp = call.response if isinstance(call.response, dict) else {}
     choices = resp.get("choices") if call.route in ("chat", "completions") else None
-    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    for k, choice in enumerate(choices if isinstance(choices, list) else ()):
+        if isinstance(choice, dict) and choice.get("index", k) == 0 and type(choice.get("index", k)) is int:
+            return choice
+    return {}
 
 
 def answer_text(call: CallRecord) -> str:

@@ -6,6 +6,7 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
+import re
 import shlex
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -71,18 +72,23 @@ def check_env_names(names: list[str] | tuple[str, ...], what: str = "pass-env") 
     return list(names)
 
 
+#: Query parameter names taken to hold a secret (case-insensitive, anywhere in the name).
+SECRET_PARAM = re.compile(r"pass|secret|token|key|auth|sig|cred", re.IGNORECASE)
+
+
 def redacted_url(url: str) -> str:
     """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
-    in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter redis-py reads
-    (``?password=pw`` → ``?password=***``). Every place that prints a Redis or engine URL uses this (or
-    :func:`redacted_urls` for a comma-separated list)."""
+    in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter whose name says
+    it holds a secret (:data:`SECRET_PARAM`: ``?password=pw`` → ``?password=***``, ``?api_key=``, ``?token=``...).
+    Every place that prints a Redis, engine or gateway URL uses this (or :func:`redacted_urls` for a
+    comma-separated list)."""
     try:
         parts = urlsplit(url)
         query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:  # not parseable: show nothing of it that could be a secret
         return "<unparseable URL>"
-    if any(k.lower() == "password" for k, _ in query):
-        parts = parts._replace(query="&".join(f"{k}=***" if k.lower() == "password" else
+    if any(SECRET_PARAM.search(k) for k, _ in query):
+        parts = parts._replace(query="&".join(f"{k}=***" if SECRET_PARAM.search(k) else
                                               urlencode([(k, v)], safe=":/") for k, v in query))
     if parts.password is not None:
         host = parts.netloc.rpartition("@")[2]

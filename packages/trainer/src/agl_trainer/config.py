@@ -255,12 +255,14 @@ class TrainConfig(_NoBooleanNumbers):
 
     def shown(self) -> dict:
         """The config as JSON-able data for what is written or shown (a run's ``config.json``, trackers, the
-        dashboard): the password of the Redis URL (in its user part or a ``?password=`` query) and of the engine
-        URLs replaced by ``***``."""
+        dashboard): the secrets of the Redis, engine and gateway URLs (a password in the user part, a secret
+        query parameter: :func:`~agl_common.settings.redacted_url`) replaced by ``***``."""
         data = self.model_dump(mode="json")
         data["redis_url"] = redacted_url(self.redis_url)
         if self.engine_url:
             data["engine_url"] = redacted_urls(self.engine_url)
+        if self.gateway_url:
+            data["gateway_url"] = redacted_url(self.gateway_url)
         return data
 
     def base_policy(self) -> Policy:

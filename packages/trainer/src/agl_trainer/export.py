@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus, first_choice
 from agl_common.store import Store
 
 from .config import TrainConfig
@@ -126,12 +126,12 @@ def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[lis
         if c.route != "chat":
             stats.skipped_calls[f"route_{c.route}"] += 1
             continue
-        choices = c.response.get("choices") or []
-        if not choices or not isinstance(choices[0].get("message"), dict):
+        message = first_choice(c).get("message")
+        if not isinstance(message, dict):
             stats.skipped_calls["no_message"] += 1
             continue
         sent = [sft_message(m) for m in c.request.get("messages", []) if isinstance(m, dict)]
-        conv = sent + [sft_message(choices[0]["message"])]
+        conv = sent + [sft_message(message)]
         if out and sent[:len(out[-1][0])] == out[-1][0]:
             out[-1][0], out[-1][1], out[-1][2] = conv, c.request.get("tools") or out[-1][1], out[-1][2] + 1
         else:

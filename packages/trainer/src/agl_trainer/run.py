@@ -70,8 +70,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         # before any agent can call it: the engine serves the saved policy (or the base one)
         asyncio.run(backend.serve(state["version"] if state else 0))
         gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
-        console.print(f"engine {redacted_urls(engine)}, gateway {gateway}, redis {redacted_url(redis_url)}, "
-                      f"run {run_dir}")
+        console.print(f"engine {redacted_urls(engine)}, gateway {redacted_url(gateway)}, "
+                      f"redis {redacted_url(redis_url)}, run {run_dir}")
         tokenizer, eos_ids = load_tokenizer(base)  # merge-break classes and end-of-turn ids, once per run
         try:
             return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, tokenizer.decode,

@@ -226,14 +226,13 @@ class Services:
         run gets besides the controller's safe defaults (``--pass-env``); ``reward_fn_always``:
         ``--reward-fn-always``."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
-                "--gateway", gateway_url, "--prefix", prefix, "--model", model,
-                "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
+                "--prefix", prefix, "--model", model, "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:
             argv += ["--reward-fn", reward_fn] + (["--reward-fn-always"] if reward_fn_always else [])
         if preload:
             argv += ["--preload", ",".join(preload)]
         if pass_env:
             argv += ["--pass-env", ",".join(pass_env)]
-        self.start("controller", argv,  # not on its public command line; key: the gateway's, for scoped keys
-                   {"AGL_REDIS_URL": redis_url, **({"AGL_KEY": key} if key else {})})
+        self.start("controller", argv,  # URLs not on its public command line; key: the gateway's, for scoped keys
+                   {"AGL_REDIS_URL": redis_url, "AGL_GATEWAY_URL": gateway_url, **({"AGL_KEY": key} if key else {})})
         self.expect_running("controller")

@@ -260,14 +260,25 @@ def load_run(path: Path) -> Run:
 
 def find_runs(runs_dir: Path) -> list[Path]:
     """Run directories under ``runs_dir`` (it, its children and grandchildren holding ``config.json`` or
-    ``metrics.jsonl``), newest first. A missing ``runs_dir`` has none."""
+    ``metrics.jsonl``), newest first. A missing ``runs_dir`` has none; a directory whose name is not text (bytes
+    that are not UTF-8: no URL or page can name it) is left out."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
     candidates = [runs_dir, *runs_dir.glob("*/"), *runs_dir.glob("*/*/")]
-    found = [p for p in candidates if p.is_dir() and ((p / "config.json").exists() or (p / "metrics.jsonl").exists())]
+    found = [p for p in candidates if _is_text(p.name) and p.is_dir()
+             and ((p / "config.json").exists() or (p / "metrics.jsonl").exists())]
     return sorted(found, key=lambda p: max((q.stat().st_mtime for q in (p / "metrics.jsonl", p / "config.json")
                                             if q.exists()), default=0.0), reverse=True)
+
+
+def _is_text(name: str) -> bool:
+    """``name`` holds no undecodable bytes (Python maps them to lone surrogates, which no page can write)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def find_run(runs_dir: Path, run_id: str) -> Run | None:

@@ -103,8 +103,8 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
             redis_url = svc.ensure_redis(cfg.redis_url)
             gateway = start_agents(svc, cfg, engine_upstream(addresses), redis_url, backend.model_name,
                                    run_dir / "logs" / "rollouts", python=svc.python)
-            console.print(f"verl engines {addresses}, gateway {gateway}, redis {redacted_url(redis_url)}, run {run_dir} "
-                          f"(verl ready after {time.time() - t0:.0f} s)")
+            console.print(f"verl engines {addresses}, gateway {redacted_url(gateway)}, redis {redacted_url(redis_url)}, "
+                          f"run {run_dir} (verl ready after {time.time() - t0:.0f} s)")
             try:
                 tokenizer, eos_ids = load_tokenizer(ensure_base_model(cfg.base_model))
                 summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend,
