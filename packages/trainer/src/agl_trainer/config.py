@@ -8,6 +8,7 @@ the held-out evaluations before and after; how they were chosen: docs/learning.m
 from __future__ import annotations
 
 import re
+import reprlib
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -67,6 +68,32 @@ class RoleConfig(_NoBooleanNumbers):
         return v
 
 
+#: Largest config file read (a YAML of settings is a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, refusing a mapping that gives one key twice (the last one won without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r:.60} given twice",
+                                                        key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+#: How a value is shown in a config error: bounded before it is built (a YAML of nested aliases expands to
+#: billions of items, whose whole ``repr`` took minutes and gigabytes to cut to 40 characters).
+_SHOW = reprlib.Repr()  # (keyword arguments from Python 3.12 on)
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 4, 4, 4, 4
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = 40
+
+
 def describe_error(exc: ValueError) -> str:
     """One line for a config that does not validate: each pydantic error as ``field: message (got value)``,
     joined by ``; `` (pydantic's own form takes 3 lines an error); any other ``ValueError`` as it says."""
@@ -78,7 +105,7 @@ def describe_error(exc: ValueError) -> str:
     for e in exc.errors():
         where = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        got = "" if e["type"] in ("value_error", "missing") else f" (got {e['input']!r:.40})"
+        got = "" if e["type"] in ("value_error", "missing") else f" (got {_SHOW.repr(e['input']):.40})"
         parts.append(f"{where}: {msg}{got}" if where else f"{msg}{got}")
     return "; ".join(parts)
 
@@ -338,13 +365,17 @@ class TrainConfig(_NoBooleanNumbers):
     def from_yaml(cls, path: Path) -> "TrainConfig":
         """Load a YAML mapping of field names.
 
-        Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not YAML,
-        not a mapping; ``UnicodeDecodeError`` for a file that is not UTF-8).
+        Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not a regular
+        file of at most :data:`MAX_CONFIG_BYTES`, not YAML, a key given twice, not a mapping;
+        ``UnicodeDecodeError`` for a file that is not UTF-8).
         """
+        path = Path(path)
+        if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:  # (/dev/zero, a FIFO: read for ever)
+            raise ValueError(f"{path}: not a regular file of at most {MAX_CONFIG_BYTES >> 20} MiB")
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         return cls.model_validate(data)
