@@ -243,3 +243,32 @@ def test_a_run_folder_whose_name_is_not_text_leaves_the_others_readable(redis_ur
                 assert r.status_code in (200, 404) and (r.status_code == 404) == (path == "/runs/nothere"), \
                     (path, r.status_code, r.text[:300])
             assert "good" in c.get(ui.url + "/").text
+
+
+async def test_a_short_drain_timeout_does_not_take_an_empty_registry_at_its_word(store):
+    """The second prober: ``gateway pause --timeout 0.01`` (or a trainer's ``drain_timeout_s: 1``) said "paused and
+    drained: 0 replica(s)" as soon as its timeout passed: the guard that waits a heartbeat before believing an
+    empty registry (Redis back empty) was cut to the timeout. A timeout shorter than that guard now fails."""
+    import pytest
+    from agl_common.control import DrainTimeout, pause_and_drain
+
+    with pytest.raises(DrainTimeout, match="no gateway replica seen"):
+        await pause_and_drain(store, timeout_s=0.3)
+    assert await pause_and_drain(store, timeout_s=10) == []  # past the guard: nothing can be in flight
+
+
+def test_policy_versions_and_groups_in_flight_are_read_as_written(tmp_path):
+    """The second prober: ``eval --policy v<5000 digits>`` ended in a traceback, ``v٣`` (an Arabic-Indic digit)
+    was taken as ``policy-v3``; ``active_groups: 1`` with ``groups_per_step: 8`` was raised to 8 without a word."""
+    import pytest
+    from agl_trainer.config import TrainConfig, describe_error
+    from agl_trainer.evaluation import PolicyNotFound, resolve_policy
+
+    cfg = TrainConfig(out_dir=str(tmp_path))
+    for spec in ("v" + "9" * 5000, "v٣"):
+        with pytest.raises(PolicyNotFound, match="is not base, vN"):
+            resolve_policy(spec, cfg, None)
+    with pytest.raises(ValueError) as exc:
+        TrainConfig(active_groups=1, groups_per_step=8)
+    assert "active_groups (1) is below groups_per_step (8)" in describe_error(exc.value)
+    assert TrainConfig(active_groups=8, groups_per_step=8).active_groups == 8

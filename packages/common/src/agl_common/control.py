@@ -42,8 +42,9 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
     replicas and wait until each reports its in-flight calls drained.
 
     Returns the replicas' statuses at the moment of the acknowledgement. With no replica in the registry for
-    :data:`agl_common.store.REPLICA_TTL_S` seconds (or ``timeout_s`` if shorter), returns ``[]`` (nothing can be in
-    flight; a registry found empty is not believed at once: Redis may have just come back without it). A replica whose heartbeat is late (its event loop starved under
+    :data:`agl_common.store.REPLICA_TTL_S` seconds, returns ``[]`` (nothing can be in flight; a registry found
+    empty is not believed at once: Redis may have just come back without it; a ``timeout_s`` shorter than that
+    raises :class:`DrainTimeout` then). A replica whose heartbeat is late (its event loop starved under
     CPU contention) is waited for like a live one, until it acknowledges or leaves the registry
     (:data:`agl_common.store.REPLICA_LATE_S` after its last heartbeat). Raises :class:`DrainTimeout` after
     ``timeout_s`` seconds, naming the replicas that did not acknowledge (late ones marked).
@@ -66,7 +67,7 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
             now_m = time.monotonic()
             # an empty registry is believed only once a replica would have heartbeaten into it: right after Redis
             # came back empty (a restart, a failover) a replica with calls in flight is missing for a heartbeat
-            settled = replicas or now_m - start >= min(REPLICA_TTL_S, timeout_s)
+            settled = replicas or now_m - start >= REPLICA_TTL_S
             if settled and all(r.paused and command.id in r.drained_ids for r in replicas):
                 return replicas
             if now_m > deadline:
@@ -74,6 +75,9 @@ async def pause_and_drain(store: Store, pause_id: str | None = None, timeout_s: 
                 waiting = [r.replica_id + (f" (heartbeat {now - r.updated_at:.0f} s late)"
                                            if now - r.updated_at >= REPLICA_TTL_S else f" ({r.in_flight} in flight)")
                            for r in replicas if command.id not in r.drained_ids]
+                if not replicas:
+                    raise DrainTimeout(f"no gateway replica seen in {timeout_s} s (pause withdrawn): an empty registry "
+                                       f"is believed only after {REPLICA_TTL_S} s; give a longer timeout")
                 raise DrainTimeout(f"replicas not drained after {timeout_s} s (pause withdrawn): {waiting}")
             await asyncio.sleep(poll_s)
     except BaseException:

@@ -240,6 +240,13 @@ class TrainConfig(_NoBooleanNumbers):
         return self
 
     @model_validator(mode="after")
+    def _enough_groups_in_flight(self) -> "TrainConfig":
+        if self.active_groups is not None and self.active_groups < self.groups_per_step:  # (was raised silently)
+            raise ValueError(f"active_groups ({self.active_groups}) is below groups_per_step ({self.groups_per_step}):"
+                             " a step trains groups_per_step groups, so at least that many must be in flight")
+        return self
+
+    @model_validator(mode="after")
     def _group_can_be_trained(self) -> "TrainConfig":
         if self.min_group_size > self.group_size:
             raise ValueError(f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size}):"

@@ -67,7 +67,7 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
         return EvalPolicy(cfg.model_name, 0, roles={r: (cfg.model_name, None) for r in cfg.roles})
     if cfg.roles:
         return _resolve_roles(spec, cfg, run_dir)
-    if m := re.fullmatch(r"v(\d+)", spec):
+    if m := re.fullmatch(r"v([0-9]{1,9})", spec):
         version = int(m[1])
         name = policy_name(version)
         runs, where = _runs(cfg, run_dir)
@@ -76,7 +76,11 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
                 return EvalPolicy(name, version, (run / "adapters" / name).resolve())
         raise PolicyNotFound(f"no adapter {name} in {where}; give --run RUN_DIR, or a PATH to an adapter directory")
     path = Path(spec)
-    if not (path / "adapter_config.json").exists():
+    try:
+        found = (path / "adapter_config.json").is_file()
+    except OSError:  # a name too long for the file system, a NUL...
+        found = False
+    if not found:
         raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
     version = policy_version(path.name)
     return EvalPolicy(f"eval-{path.name}" if version is None else path.name, version or 0, path.resolve())
@@ -94,7 +98,7 @@ def _runs(cfg: TrainConfig, run_dir: Path | None) -> tuple[list[Path], str]:
 def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
     from .backends.roles import newest_saved, saved_versions
 
-    m = re.fullmatch(r"v(\d+)", spec)
+    m = re.fullmatch(r"v([0-9]{1,9})", spec)
     if not m:
         raise PolicyNotFound(f"--policy {spec!r}: with roles, the policy is base or vN (each role's adapter of a run)")
     version = int(m[1])
