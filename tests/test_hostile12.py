@@ -7,6 +7,10 @@ import asyncio
 import httpx
 import orjson
 
+import pytest
+from agl_common.schemas import RolloutStatus
+
+from test_controller import gateway_url  # noqa: F401 (fixture)
 from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
 from test_hostile6 import _last, _one
 
@@ -272,3 +276,22 @@ def test_policy_versions_and_groups_in_flight_are_read_as_written(tmp_path):
         TrainConfig(active_groups=1, groups_per_step=8)
     assert "active_groups (1) is below groups_per_step (8)" in describe_error(exc.value)
     assert TrainConfig(active_groups=8, groups_per_step=8).active_groups == 8
+
+
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
+async def test_a_run_s_log_and_interrupt_are_the_same_whichever_way_it_starts(store, gateway_url, tmp_path,
+                                                                            preload):
+    """The second prober: a harness that unlinked its log and then printed 200 MB passed ``--max-log-bytes`` (the
+    controller measured the path, not the file); an uncaught ``KeyboardInterrupt`` ended ``signal:2`` (retried, an
+    infrastructure failure) when exec'd but ``exit_code:1`` (the agent's failure) when forked from ``--preload``.
+    The controller now watches the file it created for the run, and a forked run ends as CPython does."""
+    from test_controller import run
+
+    if preload:  # a forkserver started by an earlier test holds that test's environment: start a fresh one
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()
+    out = await run(store, gateway_url, tmp_path, {"hidden": {"calls": 1, "spew": True, "unlink_log": True},
+                                                   "ctrl_c": {"calls": 1, "reward": 1.0, "interrupt": True}},
+                    timeout_s=60, max_log_bytes=256 * 1024, max_attempts=1, preload=preload)
+    assert (out["hidden"].status, out["hidden"].failure) == (RolloutStatus.failed, "log_limit")
+    assert out["ctrl_c"].failure == "signal:2", out["ctrl_c"].failure

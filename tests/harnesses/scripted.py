@@ -6,7 +6,8 @@ after spawning a grandchild that sleeps too), env_out (write the environment the
 code there), kill_self (send this signal to itself after the calls), first_attempt (fields that override
 the others on attempt 0 only), kill_parent (SIGKILL the process that started it: with --preload, the
 forkserver), on_term (exit with this code on SIGTERM, as harnesses that trap it do), spew (after the calls, print
-lines to stdout for ever: a harness in a print loop).
+lines to stdout for ever: a harness in a print loop), unlink_log (first unlink the file its stdout goes to),
+interrupt (after the reward, raise KeyboardInterrupt).
 """
 
 import json
@@ -40,6 +41,8 @@ for _ in range(task.get("calls", 1)):
                    json={"model": os.environ["AGL_MODEL"], "messages": [{"role": "user", "content": "hi"}]})
     r.raise_for_status()
 if task.get("spew"):
+    if task.get("unlink_log"):
+        os.unlink(os.readlink("/proc/self/fd/1"))
     while True:
         print("x" * 1023, flush=True)
 if task.get("kill_self"):
@@ -47,6 +50,8 @@ if task.get("kill_self"):
     time.sleep(10)
 if "reward" in task and not task.get("reward_after_sleep"):
     httpx.post(os.environ["AGL_REWARD_URL"], json={"value": task["reward"]}, headers=headers).raise_for_status()
+if task.get("interrupt"):
+    raise KeyboardInterrupt
 if task.get("sleep"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with open(task["pid_out"], "w") as f:

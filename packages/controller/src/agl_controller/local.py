@@ -42,7 +42,7 @@ from agl_common.settings import check_env_names
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
-from .spawn import Launcher
+from .spawn import Launcher, create_log
 
 log = logging.getLogger("agl.controller")
 
@@ -252,9 +252,10 @@ class LocalRunner(Runner):
         finally:
             self._sem.release()
 
-    async def _watch(self, proc, waiter: asyncio.Future, log_path: Path, t0: float) -> str | None:
+    async def _watch(self, proc, waiter: asyncio.Future, log_fd: int, t0: float) -> str | None:
         """Wait for the run to end: its failure (:func:`_outcome`), ``timeout`` past ``timeout_s`` or ``log_limit``
-        once its log holds more than ``max_log_bytes`` (both: the process group is killed first)."""
+        once its log (the file behind ``log_fd``, :func:`~.spawn.create_log`) holds more than ``max_log_bytes``
+        (both: the process group is killed first)."""
         while True:
             left = self.timeout_s - (time.monotonic() - t0)
             if left <= 0:
@@ -263,18 +264,17 @@ class LocalRunner(Runner):
             with contextlib.suppress(TimeoutError):
                 return _outcome(await asyncio.wait_for(asyncio.shield(waiter), timeout=min(left, LOG_CHECK_S)))
             with contextlib.suppress(OSError):
-                if log_path.stat().st_size > self.max_log_bytes:
+                if os.fstat(log_fd).st_size > self.max_log_bytes:
                     failure = "log_limit"
                     break
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await waiter
         if failure == "log_limit":  # what it wrote past the limit before the check saw it is cut, and said so
-            with contextlib.suppress(OSError), open(log_path, "r+b") as f:
-                f.truncate(self.max_log_bytes)
-                f.seek(0, os.SEEK_END)
-                f.write(f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was stopped: "
-                        "log_limit]\n".encode())
+            with contextlib.suppress(OSError):
+                os.ftruncate(log_fd, self.max_log_bytes)
+                os.pwrite(log_fd, f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was stopped: "
+                          "log_limit]\n".encode(), self.max_log_bytes)
         return failure
 
     async def run_one(self, rollout_id: str) -> Rollout | None:
@@ -292,11 +292,15 @@ class LocalRunner(Runner):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / log_name(rollout_id, aid)
         failure: str | None = None
+        log_fd = -1
         try:
+            log_fd = create_log(log_path)
             proc = await self.launcher.start(env, self.cwd, log_path)
         except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
             # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
             log.warning("cannot start %s: %r", self.command, exc)
+            if log_fd >= 0:
+                os.close(log_fd)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
         self._procs[rollout_id] = proc
         if self._stopping:  # the stop came while it was being started: shutdown() did not see it
@@ -306,8 +310,9 @@ class LocalRunner(Runner):
         t0 = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         try:
-            failure = await self._watch(proc, waiter, log_path, t0)
+            failure = await self._watch(proc, waiter, log_fd, t0)
         finally:
+            os.close(log_fd)
             self._procs.pop(rollout_id, None)
             # Reap anything the harness left behind in its group.
             with contextlib.suppress(ProcessLookupError):

@@ -15,6 +15,7 @@ variables *at import time* of a preloaded module (they would see the controller'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ import runpy
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -80,6 +82,7 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path:
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
+    interrupted = False
     try:
         if argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]
@@ -90,10 +93,26 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path:
             sys.argv = [script, *argv[2:]]
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:  # (multiprocessing made it exit code 1: the agent's failure, where exec says signal:2)
+        traceback.print_exc()
+        interrupted = True
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends the child with os._exit: run the harness's atexit hooks
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    if interrupted:  # end as CPython ends on an uncaught KeyboardInterrupt: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def create_log(log_path: Path) -> int:
+    """Create an attempt's log file afresh (whatever was at ``log_path`` is unlinked first; a link is not followed)
+    and return a descriptor of it, kept by the controller: the size it watches and the cut it makes are those of
+    the file the run writes, even if the run unlinks or replaces the path. Raises ``OSError``."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(log_path)
+    return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
 def _start_forkserver(env: dict[str, str]) -> None:
