@@ -295,3 +295,22 @@ async def test_a_run_s_log_and_interrupt_are_the_same_whichever_way_it_starts(st
                     timeout_s=60, max_log_bytes=256 * 1024, max_attempts=1, preload=preload)
     assert (out["hidden"].status, out["hidden"].failure) == (RolloutStatus.failed, "log_limit")
     assert out["ctrl_c"].failure == "signal:2", out["ctrl_c"].failure
+
+
+def test_a_job_s_resource_quantities_are_checked_as_the_api_server_checks_them():
+    """The second prober: ``cpu: {{ input.get("cpus", 1) }}`` rendered ``[1, 2]``, ``None``, ``True`` or ``{'a': 1}``
+    as a quantity and the dry-run said yes; a real run got the API's 422 at every attempt (``spawn_error``, retried
+    for nothing). Such a quantity is a template error naming the field; numbers and quantity strings pass."""
+    from agl_common.schemas import Rollout
+    from agl_controller.k8s import JobRenderer
+
+    template = ("apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
+                "        - name: h\n          image: busybox\n          resources:\n"
+                "            limits: {cpu: {{ input.cpus }}, memory: 1Gi}\n")
+    for cpus in ([1, 2], None, True, {"a": 1}, "lots", -1):
+        with pytest.raises(ValueError, match="resources.limits.cpu"):
+            JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={"cpus": cpus}))
+    for cpus, shown in ((2, "2"), (0.5, "0.5"), ("500m", "500m")):
+        m = JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={"cpus": cpus}))
+        limits = m["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"cpu": shown, "memory": "1Gi"}, limits

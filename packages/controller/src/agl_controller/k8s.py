@@ -265,7 +265,24 @@ class JobRenderer:
             for part in ("limits", "requests"):  # YAML `cpu: 1` is a quantity too
                 q = (c.get("resources") or {}).get(part)
                 if isinstance(q, dict):
-                    c["resources"][part] = {k: str(v) for k, v in q.items()}
+                    c["resources"][part] = {k: _quantity(v, f"resources.{part}.{k}") for k, v in q.items()}
+
+
+def _quantity(value: Any, where: str) -> str:
+    """``value`` as a Kubernetes quantity string (``1``, ``500m``, ``2Gi``), checked as the API server checks it
+    (:func:`kubernetes.utils.quantity.parse_quantity`); ``ValueError`` (a template error) for anything else: a list,
+    null or ``True`` rendered there became the API's 422 at every attempt, a ``spawn_error`` retried for nothing."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    text = str(value)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{where} {text!r:.40} is not a quantity (a number or a string such as 500m, 2Gi)")
+    try:
+        if parse_quantity(text) < 0:
+            raise ValueError("negative")
+    except ValueError:
+        raise ValueError(f"{where} {text!r:.40} is not a quantity (a number or a string such as 500m, 2Gi)") from None
+    return text
 
 
 def job_outcome(job, pods: Iterable[Any]) -> tuple[bool, str | None]:
