@@ -148,17 +148,17 @@ def chat_chunks(model, prompt: list[int], ids: list[int], text: str = TEXT, fini
 
 def completion_answer(model, prompt: list[int] = (1, 2, 3), ids: list[int] = (5, 2), text: str = " 7",
                       tokens: list[str] | None = None, full: bool = False) -> dict:
-    """A vLLM text completion with token ids: ``choices[0].token_ids``/``prompt_token_ids`` and logprobs
-    (:func:`completion_logprob`); ``full``: also ``created`` and ``usage``."""
+    """A vLLM text completion with token ids: ``choices[0].token_ids``/``prompt_token_ids``, logprobs
+    (:func:`completion_logprob`) and ``usage``; ``full``: also ``created``."""
     ids, prompt = list(ids), list(prompt)
     body = {"id": "cmpl-fake", "object": "text_completion", "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": "stop", "token_ids": ids,
                          "prompt_token_ids": prompt,
                          "logprobs": {"tokens": tokens or [str(t) for t in ids],
                                       "token_logprobs": [completion_logprob(k) for k in range(len(ids))]}}]}
+    body["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     if full:
-        body.update(created=1, usage={"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                      "total_tokens": len(prompt) + len(ids)})
+        body.update(created=1)
     return body
 
 
@@ -222,7 +222,8 @@ def fake_upstream(reply: str | Callable[[dict], dict | str] = default_reply,
     Knobs in a chat request body: ``x_delay`` (seconds, before the answer or after each stream chunk),
     ``x_fail`` (``"garbage"``/``"null"``), ``x_status`` (answer that HTTP status with a vLLM-shaped error),
     ``x_short_ids`` (token ids shorter than ``usage.completion_tokens``, as tool-call parsing can give),
-    ``x_drop_ids`` (a stream's last chunk comes without its token id), ``x_tool`` (see :func:`default_reply`).
+    ``x_drop_ids`` (a stream's last chunk comes without its token id), ``x_stall`` (seconds before a stream
+    starts), ``x_tool`` (see :func:`default_reply`).
 
     State, on ``app.state`` (set it, or read it):
 
@@ -302,6 +303,8 @@ def fake_upstream(reply: str | Callable[[dict], dict | str] = default_reply,
             st.abort_next -= 1
             finish = "abort"
         if body.get("stream"):
+            if body.get("x_stall"):  # nothing at all for this long (a queue, a long prefill), then the stream
+                await asyncio.sleep(float(body["x_stall"]))
             chunks = chat_chunks(body.get("model"), prompt, ids, message.get("content") or "", finish or "stop",
                                  drop_ids=int(bool(body.get("x_drop_ids"))))
             return StreamingResponse(_paced(chunks, float(body.get("x_delay") or 0)), media_type="text/event-stream")

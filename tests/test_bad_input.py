@@ -345,7 +345,7 @@ NEVER_GOOD = [
      "prompt token ids missing"),
     ("no-ids-no-usage", "chat/completions",
      lambda: corrupt(corrupt(good_chat(), ("choices", 0, "token_ids"), ...), ("usage",), ...),
-     "response token ids missing"),
+     "usage.prompt_tokens missing"),
     ("no-ids-at-all", "chat/completions",
      lambda: corrupt(corrupt(good_chat(), ("prompt_token_ids",), ...), ("choices", 0, "token_ids"), ...),
      "prompt token ids missing"),

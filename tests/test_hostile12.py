@@ -314,3 +314,90 @@ def test_a_job_s_resource_quantities_are_checked_as_the_api_server_checks_them()
         m = JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={"cpus": cpus}))
         limits = m["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits == {"cpu": shown, "memory": "1Gi"}, limits
+
+
+async def test_a_live_stream_whose_agent_left_before_its_first_event_is_abandoned(store, redis_url, prefix,
+                                                                                 upstream):
+    """The first prober: an agent that gave up on a live stream before its first event (an SDK timeout during a
+    queue or prefill wait, then a retry) was recorded ``ok`` when the engine's answer then came at once: two ``ok``
+    records for one turn, as round 7 fixed for complete answers. Such a call is now ``abandoned``."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            try:
+                await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", timeout=0.7,
+                             json={"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "stream": True,
+                                   "x_stall": 2.0})
+            except httpx.TimeoutException:
+                pass
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                if (rec := await _last(store)) is not None:
+                    break
+            assert rec is not None and rec.status == "error" and "abandoned" in rec.error, rec
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                             json={"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "stream": True})
+            assert r.status_code == 200 and (await _last(store)).status == "ok"
+
+
+async def test_what_the_first_prober_found_in_answers_and_turns(store, redis_url, prefix, upstream):
+    """The first prober: (1) an answer without ``usage`` (or a stream without its usage chunk) switched the check of
+    token ids against the engine's own counts off: partial ids recorded ``ok``; (2) an empty Anthropic user turn was
+    dropped by the translation (the engine then continued the assistant's turn as a prefill), and
+    ``count_tokens`` counted the conversation without it; (3) a streamed call with tools (a stream made from a
+    complete answer) lost ``reasoning_content`` on its way to the agent, which the record kept; (4) a live stream's
+    tool call of ``type: "banana"`` or an object in ``delta.reasoning`` reached the agent, recorded ``ok``; (5) a
+    completions ``prompt`` of two strings was forwarded (two choices for n=1, then a 502)."""
+    from fakes import chat_answer, chat_chunks, completion_answer
+
+    await make_rollout(store, "r1")
+    user = [{"role": "user", "content": "3+4?"}]
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        base = f"{gw.url}/rollouts/r1/attempts/0/v1"
+        async with httpx.AsyncClient(timeout=30) as c:
+            answer = chat_answer("up", [1, 2, 3], [7, 8], "a long answer of many tokens")  # (1)
+            answer.pop("usage")
+            done = completion_answer("up", [1, 2, 3], [5], " 7 and many more words")
+            done.pop("usage")
+            for path, body, plan in (("chat/completions", {}, ("body", 200, orjson.dumps(answer))),
+                                     ("completions", {"prompt": "3+4?"}, ("body", 200, orjson.dumps(done))),
+                                     ("chat/completions", {"stream": True},
+                                      ("stream", chat_chunks("up", [1, 2, 3], [7, 8, 9, 2], drop_ids=2)[:-1], "done"))):
+                upstream.app.state.plan = plan
+                r = await c.post(f"{base}/{path}", json={"model": "m", "messages": user, **body})
+                rec = await _last(store)
+                assert rec.status == "error" and "usage" in rec.error, (path, body, r.status_code, rec.error)
+            upstream.app.state.plan = None
+            n_calls = len(await store.read_calls("r1"))
+            for turns in ([*user, {"role": "assistant", "content": "x"}, {"role": "user", "content": ""}],  # (2)
+                          [*user, {"role": "assistant", "content": "x"}, {"role": "user", "content": []}],
+                          [{"role": "user", "content": ""}], []):
+                for path in ("messages", "messages/count_tokens"):
+                    r = await c.post(f"{base}/{path}", json={"model": "m", "max_tokens": 9, "messages": turns})
+                    assert r.status_code == 400 and ("empty" in r.text or "at least one" in r.text), \
+                        (turns, path, r.status_code, r.text[:300])
+            assert len(await store.read_calls("r1")) == n_calls
+            message = {"role": "assistant", "content": "hi", "reasoning_content": "REASONING"}  # (3)
+            upstream.app.state.plan = ("body", 200, orjson.dumps(chat_answer("up", [1, 2, 3], [7, 8, 9, 2], message)))
+            r = await c.post(f"{base}/chat/completions", json={"model": "m", "messages": user, "stream": True, "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+            assert r.status_code == 200 and "REASONING" in r.text, r.text[:500]
+            for old, new in ((b'"role":"assistant","content":""', b'"role":"assistant","content":"","reasoning":{"a":1}'),
+                             (b'"delta":{"content":', b'"delta":{"tool_calls":[{"index":0,"id":"c","type":"banana",'
+                                                      b'"function":{"name":"f","arguments":"{}"}}],"content":')):  # (4)
+                chunks = chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])
+                chunks = [chunks[0].replace(old, new), chunks[1].replace(old, new), *chunks[2:]]
+                assert chunks[0] != chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])[0] or chunks[1] != \
+                    chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])[1]
+                upstream.app.state.plan = ("stream", chunks, "done")
+                r = await c.post(f"{base}/chat/completions", json={"model": "m", "messages": user, "stream": True})
+                assert "upstream_error" in r.text and (await _last(store)).status == "error", (new, r.text[-400:])
+            upstream.app.state.plan = None
+            n_engine = len(upstream.app.state.calls)
+            for prompt in (["a", "b"], [[1, 2], [3]], [], 5):  # (5)
+                r = await c.post(f"{base}/completions", json={"model": "m", "prompt": prompt})
+                assert r.status_code == 400 and "one prompt" in r.text, (prompt, r.status_code, r.text[:300])
+            assert len(upstream.app.state.calls) == n_engine
+            for prompt in ("3+4?", ["3+4?"], [1, 2, 3], [[1, 2, 3]]):
+                r = await c.post(f"{base}/completions", json={"model": "m", "prompt": prompt})
+                assert r.status_code == 200, (prompt, r.status_code, r.text[:300])

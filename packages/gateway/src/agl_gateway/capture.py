@@ -163,6 +163,10 @@ class Captured:
         return self.finish_reasons or [self.finish_reason]
 
 
+#: Message fields other than ``content`` that hold text when set (a live stream sends them in pieces).
+TEXT_FIELDS = ("refusal", "reasoning_content", "reasoning")
+
+
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
@@ -183,7 +187,7 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     message = choice.get("message")
     if not isinstance(message, dict):
         raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no message object")
-    for field in ("content", "refusal", "reasoning_content", "reasoning"):  # (the translated routes failed on these)
+    for field in ("content", *TEXT_FIELDS):  # (the translated routes failed on these)
         if message.get(field) is not None and not isinstance(message[field], str):
             raise MalformedUpstream(f"'message.{field}' is not a string")
     if message.get("role", "assistant") != "assistant":
@@ -272,8 +276,9 @@ def unreadable(cap: Captured) -> str | None:
 
 def check(cap: Captured) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an answer the agent cannot read
-    (:func:`unreadable`); no prompt token ids; prompt ids other than ``usage.prompt_tokens`` counts; no response
-    token ids while the reply holds text or ``usage`` does not say it was empty; token ids that do not add up to
+    (:func:`unreadable`); no prompt token ids; no ``usage`` counts; prompt ids other than ``usage.prompt_tokens``
+    counts; no response token ids while the reply holds text or ``usage`` does not say it was empty; token ids
+    that do not add up to
     the engine's own ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts
     every choice); token ids without one logprob each (the gateway always asks for both, and a missing one is
     never invented); token ids outside ``[0, TOKEN_ID_LIMIT)``; logprobs above :data:`LOGPROB_CEILING` or at
@@ -283,10 +288,11 @@ def check(cap: Captured) -> str | None:
         return why
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
-    for name in ("prompt_tokens", "completion_tokens"):  # a count of another type would switch its check off
-        value = (cap.usage or {}).get(name)
-        if value is not None and (type(value) is not int or value < 0):
-            return f"usage.{name} is not a count: {value!r:.40}"
+    for name in ("prompt_tokens", "completion_tokens"):  # a count missing or of another type would switch its
+        value = (cap.usage or {}).get(name)  # check off (vLLM sends usage with every answer, and streams it when
+        if type(value) is not int or value < 0:  # asked: the gateway always asks)
+            return (f"usage.{name} missing: the engine's own count is what the token ids are checked against"
+                    if value is None else f"usage.{name} is not a count: {value!r:.40}")
     n = (cap.usage or {}).get("completion_tokens")
     p = (cap.usage or {}).get("prompt_tokens")
     if p is not None and p != len(cap.prompt_token_ids):
@@ -380,6 +386,8 @@ class StreamCapture:
             for name, value in delta.items():  # strings are pieces of one field (reasoning); others: the last one
                 if name in ("role", "content", "tool_calls") or value is None:
                     continue
+                if name in TEXT_FIELDS and not isinstance(value, str):  # (as check_choice: what the agent got)
+                    raise MalformedUpstream(f"'delta.{name}' is not a string")
                 if isinstance(value, str) and isinstance(self.other.get(name, ""), str):
                     self.other[name] = self.other.get(name, "") + value
                 else:
@@ -387,6 +395,8 @@ class StreamCapture:
             for tc in delta.get("tool_calls") or []:
                 if not isinstance(tc, dict):
                     raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
+                if tc.get("type", "function") not in ("function", None):  # (check_choice reads the merged call)
+                    raise MalformedUpstream(f"a tool call of type {tc.get('type')!r:.30} (only 'function' is one)")
                 index, fn = tc.get("index", 0), tc.get("function") or {}
                 if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                     raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")

@@ -116,11 +116,16 @@ def check_conversation(messages: Any) -> None:
             raise bad_request(f"message {i} must be an object with a string 'role', got {message!r:.40}")
 
 
+def _token_ids(value: Any) -> bool:
+    """``value`` is a non-empty list of token ids (JSON integers)."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
     ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
-    boolean: ``"false"`` would otherwise read as true; for an ``n`` that is not a positive JSON integer; and for a
-    ``stream_options`` that is not an object, which the engine or a synthesized stream would fail on after the
+    boolean: ``"false"`` would otherwise read as true; for an ``n`` that is not a positive JSON integer; for a
+    completions ``prompt`` that is not one prompt; and for a ``stream_options`` that is not an object, which the engine or a synthesized stream would fail on after the
     call)."""
     for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
@@ -130,6 +135,11 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"'logprobs' must be a non-negative integer, got {body['logprobs']!r:.40}")
     if body.get("n") is not None and not (type(body["n"]) is int and body["n"] >= 1):  # (the engine reads 2.0 as
         raise bad_request(f"'n' must be a positive integer, got {body['n']!r:.40}")  # 2: count the choices alike)
+    prompt = body.get("prompt")
+    if spec.route == "completions" and not (isinstance(prompt, str) or _token_ids(prompt) or (
+            isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])))):
+        raise bad_request("'prompt' must be one prompt (a string or a list of token ids): a batch of prompts "
+                          f"would be answered as several choices, got {prompt!r:.40}")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_request(f"'stream_options' must be an object, got {body['stream_options']!r:.40}")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
@@ -256,9 +266,11 @@ class Call:
                 # a stream the agent can read no answer from ends with an upstream error (a non-stream answer
                 # like it is one already: _complete); the engine's own error event has reached the agent
                 broken = None if relay is None or cap.error else unreadable(cap)
-                gone = relay is None and self.disconnected is not None and await self.disconnected()
+                gone = (relay is not None and relay.gone) or (self.disconnected is not None
+                                                               and await self.disconnected())
                 # an answer the agent never received is not part of its trajectory (an SDK timeout then retries:
-                # two ok records for one turn): kept, as an error (a live stream's agent leaving: see _stream)
+                # two ok records for one turn): kept, as an error (a live stream's agent leaving mid-stream: see
+                # _stream; one that left before the first event, and the engine's answer came whole: here)
                 fill(rec, cap, answer, t0, error="abandoned: the agent went away before its answer" if gone else None)
                 await write(st, rec)
                 observe(st, rec)

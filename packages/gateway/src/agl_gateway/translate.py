@@ -178,8 +178,8 @@ def check_anthropic(body: dict[str, Any]) -> None:
     (Anthropic's servers run those) and no ``n`` above 1."""
     what = "Anthropic Messages"
     messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise _refuse(what, "'messages'", f"must be a list, got {messages!r:.40}")
+    if not isinstance(messages, list) or not messages:
+        raise _refuse(what, "'messages'", f"must be a list of at least one turn, got {messages!r:.40}")
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
             raise _refuse(what, f"message {i}", f"must be an object, got {turn!r:.40}")
@@ -187,8 +187,8 @@ def check_anthropic(body: dict[str, Any]) -> None:
         if role not in _ANTHROPIC_BLOCKS:
             raise _refuse(what, f"message {i}", f"has role {role!r:.40}; expected one of user, assistant")
         _check_blocks(turn.get("content"), _ANTHROPIC_BLOCKS[role], what, f"message {i} content")
-        if turn.get("content") == [] and i < len(messages) - 1:  # (LiteLLM drops it: two turns of one role follow)
-            raise _refuse(what, f"message {i} content", "is empty")
+        if turn.get("content") in ("", []):  # (LiteLLM drops the turn: two of one role follow, or a prefill is
+            raise _refuse(what, f"message {i} content", "is empty")  # continued where the agent asked for an answer)
     if "system" in body and body["system"] is not None:
         _check_blocks(body["system"], ("text",), what, "'system'")
     _check_tools(body.get("tools"), what, lambda tool: tool.get("type", "custom") == "custom"
@@ -419,12 +419,15 @@ def responses_sse(response: dict[str, Any], body: dict[str, Any] | None = None) 
 
 # --------------------------------------------------------------------------------------- chat
 def chat_sse(answer: dict[str, Any], body: dict[str, Any]) -> Iterator[bytes]:
-    """Chat Completions chunks of a complete ``answer`` (one content/tool-call chunk per choice)."""
+    """Chat Completions chunks of a complete ``answer`` (one chunk per choice holding its whole message as the
+    delta: content, tool calls, and every other field, such as ``reasoning_content``, as a live stream carries it;
+    then its finish reason)."""
     base = {"id": answer.get("id"), "object": "chat.completion.chunk",
             "created": answer.get("created", int(time.time())), "model": answer.get("model")}
     for choice in answer.get("choices") or []:
         msg = choice.get("message") or {}
-        delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        delta: dict[str, Any] = {**{k: v for k, v in msg.items() if v is not None and k != "tool_calls"},
+                                 "role": "assistant", "content": msg.get("content")}
         if msg.get("tool_calls"):
             delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
         yield b"data: " + orjson.dumps({**base, "choices": [{"index": choice.get("index", 0), "delta": delta,
