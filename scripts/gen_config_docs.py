@@ -131,7 +131,8 @@ def render() -> str:
         "Every default lives once, in the code below; this page is generated from it and a test",
         "(`tests/test_ship.py`) fails when the two differ. Settings models read `AGL_`-prefixed",
         "environment variables; `TrainConfig` is read from the YAML file given to `agl-trainer train`",
-        "(its keys are the field names). Units: seconds for `*_s`, bytes for `*_bytes`.",
+        "(its keys are the field names; a key given twice, an unknown key, or a file that is not a regular file of",
+        "at most 1 MiB is refused in one line). Units: seconds for `*_s`, bytes for `*_bytes`.",
         "",
         "## Settings models",
     ]

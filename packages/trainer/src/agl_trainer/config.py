@@ -146,8 +146,8 @@ class TrainConfig(_NoBooleanNumbers):
     eval_subset: int = Field(64, ge=0, description="held-out inputs of the evaluations during training (a fixed "
                              "subset)")
     concurrency: int = Field(32, ge=1)
-    active_groups: int | None = Field(None, ge=1, le=4096, description="groups in flight; more than groups_per_step = "
-                                      "collocated async RL (None: synchronous)")
+    active_groups: int | None = Field(None, ge=1, le=4096, description="groups in flight, at least groups_per_step; "
+                                      "more = collocated async RL (None: synchronous)")
     max_staleness: int = Field(1, ge=0, description="async: drop a group created more than this many versions ago")
     rollout_timeout_s: float = Field(180.0, gt=0, le=10**7)  # (the controller's --timeout bound)
     # algorithm
