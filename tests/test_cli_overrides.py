@@ -53,7 +53,8 @@ def test_a_bad_task_is_one_line_and_exit_2_before_anything_starts(tmp_path):
              "task_file: broken.py": "failed to import: ModuleNotFoundError"}
     for line, says in cases.items():
         cfg = tmp_path / "cfg.yaml"
-        cfg.write_text(f"task_file: task.py\nout_dir: {tmp_path / 'runs'}\n{line}\n")
+        head = "" if line.startswith("task_file:") else "task_file: task.py\n"  # (a key given twice is refused)
+        cfg.write_text(f"{head}out_dir: {tmp_path / 'runs'}\n{line}\n")
         for args in (["train", str(cfg)], ["eval", str(cfg)]) if "train_fn" not in line else (["train", str(cfg)],):
             res = _cli(*args, cwd=tmp_path)
             assert res.returncode == 2, (line, args, res.stdout[-500:], res.stderr[-2000:])
