@@ -125,8 +125,9 @@ async def test_a_live_replica_id_is_refused_and_a_dead_ones_is_taken(store, redi
         assert [r.replica_id for r in await store.replicas()] == ["gw-1"]
         with gateway(redis_url, prefix, upstream.url, replica_id="gw-2"):
             assert sorted(r.replica_id for r in await store.replicas()) == ["gw-1", "gw-2"]
-    assert await store.claim_replica("gw-3", "dead")  # a replica killed right after its heartbeat
+    assert await store.claim_replica("gw-3", "dead")  # a replica killed ~29 s after its last heartbeat
     await store.heartbeat(ReplicaStatus(replica_id="gw-3"), "dead")
+    await store.r.pexpire(store.key("replica-owner", "gw-3"), 1000)
     t0 = time.monotonic()
     with gateway(redis_url, prefix, upstream.url, replica_id="gw-3"):
         assert time.monotonic() - t0 < 15

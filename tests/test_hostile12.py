@@ -91,11 +91,10 @@ async def test_odd_message_fields_are_an_upstream_error_on_every_route(store, re
 async def test_two_gateways_claiming_one_replica_id_at_once_get_it_once(store):
     """Round 11 left open: two gateways started within the same quarter second under one replica id could both
     pass the check (it read, then heartbeated). The id is now taken with ``SET NX``: of two claims at once,
-    exactly one gets it, the other is refused once the owner has heartbeated past the ownership's lifetime; a
-    heartbeat of a process that does not own the id writes nothing."""
+    exactly one gets it, the other is refused while the owner heartbeats; a heartbeat of a process that does not
+    own the id writes nothing."""
     import pytest
     from agl_common.schemas import ReplicaStatus
-    from agl_common.store import REPLICA_TTL_S
     from agl_gateway.app import ReplicaIdLive, claim_replica_id
 
     got = await asyncio.gather(*(store.claim_replica("gw", f"p{i}") for i in range(8)))
@@ -106,13 +105,13 @@ async def test_two_gateways_claiming_one_replica_id_at_once_get_it_once(store):
     assert await store.replica("gw") is None  # the intruder wrote nothing
 
     async def beat() -> None:  # the owner, alive
-        for _ in range(int(REPLICA_TTL_S * 4) + 8):
+        for _ in range(12):
             assert await store.heartbeat(ReplicaStatus(replica_id="gw"), owner)
             await asyncio.sleep(0.5)
 
     beating = asyncio.create_task(beat())
     with pytest.raises(ReplicaIdLive):
-        await claim_replica_id(store, "gw", other)
+        await claim_replica_id(store, "gw", other, wait_s=3.0)
     beating.cancel()
     await store.drop_replica("gw", other)  # not its id: nothing is dropped
     assert (await store.replica("gw")) is not None
@@ -307,10 +306,10 @@ def test_a_job_s_resource_quantities_are_checked_as_the_api_server_checks_them()
     template = ("apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
                 "        - name: h\n          image: busybox\n          resources:\n"
                 "            limits: {cpu: {{ input.cpus }}, memory: 1Gi}\n")
-    for cpus in ([1, 2], None, True, {"a": 1}, "lots", -1):
+    for cpus in ([1, 2], None, True, {"a": 1}, "lots", -1, "NaN", "inf", float("nan"), "1_000", " 1", "１", "1e3Gi"):
         with pytest.raises(ValueError, match="resources.limits.cpu"):
             JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={"cpus": cpus}))
-    for cpus, shown in ((2, "2"), (0.5, "0.5"), ("500m", "500m")):
+    for cpus, shown in ((2, "2"), (0.5, "0.5"), ("500m", "500m"), ("1.5Gi", "1.5Gi"), ("1e3", "1e3"), (".5", ".5")):
         m = JobRenderer(template, "http://gw", "m").render(Rollout(rollout_id="r", input={"cpus": cpus}))
         limits = m["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits == {"cpu": shown, "memory": "1Gi"}, limits
@@ -401,3 +400,76 @@ async def test_what_the_first_prober_found_in_answers_and_turns(store, redis_url
             for prompt in ("3+4?", ["3+4?"], [1, 2, 3], [[1, 2, 3]]):
                 r = await c.post(f"{base}/completions", json={"model": "m", "prompt": prompt})
                 assert r.status_code == 200, (prompt, r.status_code, r.text[:300])
+
+
+async def test_a_replica_whose_id_was_taken_forwards_nothing(store, redis_url, prefix, upstream):
+    """The third prober: a replica stopped for 5.5 s (a starved event loop: drains wait 30 s for such a late one)
+    found its id taken by a new gateway when it woke, kept forwarding calls, and a drain (which saw the new one's
+    status under that id) said "drained" while its call ran. The id's ownership now lasts as long as a drain waits
+    for a late replica, and a replica that finds its id owned by another answers 503 to every model call and is not
+    ready."""
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url, replica_id="gw-x") as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await _one(c, gw)).status_code == 200
+            assert await store.r.pttl(store.key("replica-owner", "gw-x")) > 20_000  # REPLICA_LATE_S, not 5 s
+            await store.r.set(store.key("replica-owner", "gw-x"), "another-process")  # its id taken meanwhile
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                r = await _one(c, gw)
+                if r.status_code != 200:
+                    break
+            assert r.status_code == 503 and "replica_displaced" in r.text, (r.status_code, r.text[:300])
+            assert (await c.get(f"{gw.url}/readyz")).status_code == 503
+            status = await store.replica("gw-x")
+            assert status is None or status.replica_id == "gw-x"  # nothing of the other's overwritten by it
+
+
+async def test_what_the_third_prober_found_in_answers_and_sampling(store, redis_url, prefix, upstream):
+    """The third prober: (1) reasoning or refusal text with no token ids (usage 0) was recorded ``ok`` on every route,
+    and reasoning sent after a live stream's finish reason too; (2) a live stream's tool call whose ``arguments``
+    chunk was ``{}``, ``0`` or ``false`` reached the agent as such while the record held ``""``; (3) a second finish
+    reason replaced the first; (4) ``{"type": "auto", "disable_parallel_tool_use": false}`` and a Responses ``text``
+    at its defaults were taken for constrained sampling (never trained)."""
+    from agl_common.schemas import sampling_not_plain
+
+    from fakes import chat_answer, chat_chunks
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for message in ({"role": "assistant", "content": "", "reasoning_content": "I reasoned a lot"},  # (1)
+                            {"role": "assistant", "content": None, "refusal": "I refuse"}):
+                answer = chat_answer("up", [1, 2, 3], [], message)
+                answer["usage"]["completion_tokens"] = 0
+                answer["choices"][0]["logprobs"] = None
+                upstream.app.state.plan = ("body", 200, orjson.dumps(answer))
+                r = await _one(c, gw)
+                rec = await _last(store)
+                assert rec.status == "error" and "token ids missing" in rec.error, (message, r.status_code, rec.error)
+            chunks = chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])
+            base = orjson.loads(chunks[1][6:])
+            extra = {**base, "choices": [{"index": 0, "delta": {"reasoning_content": "INJECTED"}, "logprobs": None,
+                                          "finish_reason": None, "token_ids": []}]}
+            second = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                                           "token_ids": []}]}
+            def call(fn: dict) -> dict:
+                return {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **fn}]},
+                                             "logprobs": None, "finish_reason": None, "token_ids": []}]}
+
+            good_call = call({"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}})
+            for added, at in (([extra], -1), ([second], -1),  # (1) after the finish, (3)
+                              ([good_call, call({"function": {"arguments": {}}})], 2),  # (2)
+                              ([good_call, call({"function": {"arguments": 0}})], 2)):
+                events = [*chunks]
+                at = len(events) + at if at < 0 else at
+                events[at:at] = [b"data: " + orjson.dumps(e) + b"\n\n" for e in added]
+                upstream.app.state.plan = ("stream", events, "done")
+                r = await _one(c, gw, {"stream": True})
+                assert "upstream_error" in r.text and (await _last(store)).status == "error", (added, r.text[-300:])
+    upstream.app.state.plan = None
+    assert sampling_not_plain({"tool_choice": {"type": "auto", "disable_parallel_tool_use": False}}) is None  # (4)
+    assert sampling_not_plain({"text": {"format": {"type": "text"}, "verbosity": "medium"}}) is None
+    assert sampling_not_plain({"text": {"format": None}}) is None
+    assert sampling_not_plain({"tool_choice": {"type": "tool", "name": "f"}}) == "tool_choice.type='tool'"
+    assert sampling_not_plain({"text": {"format": {"type": "json_schema"}}}) == "text.format.type='json_schema'"

@@ -224,10 +224,11 @@ PLAIN_SAMPLING: dict[str, tuple[Any, ...]] = {
     "temperature": (None, 1), "top_p": (None, 1), "top_k": (None, -1, 0), "min_p": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "allowed_token_ids": (None, []), "bad_words": (None, []), "min_tokens": (None, 0),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "use_beam_search": (None, False),
-    "tool_choice": (None, "auto", "none", {"type": "auto"}, {"type": "none"}),
-    "text": (None, {}, {"format": {"type": "text"}}),
+    "response_format": (None,), "response_format.type": (None, "text"), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "use_beam_search": (None, False),
+    "tool_choice": (None, "auto", "none"), "tool_choice.type": (None, "auto", "none"),
+    "text": (None,), "text.format": (None,), "text.format.type": (None, "text"),  # Responses
     "output_format": (None,), "output_config.format": (None,),  # Anthropic structured outputs (constrained)
 }
 
@@ -238,7 +239,9 @@ def sampling_not_plain(request: dict[str, Any]) -> str | None:
     before temperature, top-k/top-p, penalties, biases, masks and structured outputs: its default
     ``logprobs_mode``), and a trainer scores the policy the same way; so only a call that sampled from that very
     distribution (:data:`PLAIN_SAMPLING`) gives on-policy behaviour logprobs for PPO's ratio. Names the first
-    differing fields, e.g. ``"temperature=0.7"`` (a ``tool_choice`` that requires a tool is a constraint)."""
+    differing fields, e.g. ``"temperature=0.7"`` (a ``tool_choice`` that requires a tool is a constraint). An object
+    with listed fields (``tool_choice.type``, ``text.format.type``) is judged by those alone: ``{"type": "auto",
+    "disable_parallel_tool_use": false}`` and ``{"format": {"type": "text"}, "verbosity": "medium"}`` are plain."""
     def same(value: Any, plain: Any) -> bool:  # (true is not 1 here)
         return value == plain and isinstance(value, bool) == isinstance(plain, bool)
 
@@ -248,8 +251,11 @@ def sampling_not_plain(request: dict[str, Any]) -> str | None:
             obj = obj.get(part) if isinstance(obj, dict) else None
         return obj
 
+    def judged_by_fields(name: str) -> bool:  # an object whose listed fields are judged one by one
+        return isinstance(value(name), dict) and any(k.startswith(name + ".") for k in PLAIN_SAMPLING)
+
     odd = [f"{name}={value(name)!r:.30}" for name, plain in PLAIN_SAMPLING.items()
-           if value(name) is not None and not any(same(value(name), v) for v in plain)]
+           if value(name) is not None and not judged_by_fields(name) and not any(same(value(name), v) for v in plain)]
     return ", ".join(odd[:3]) or None
 
 

@@ -28,7 +28,7 @@ key                                 type      holds
 ``P {E}:replica:{id}``              string    :class:`ReplicaStatus` heartbeat, expires after 30 s
 ``P {E}:replicas``                  zset      replica ids scored by the Unix time their membership expires
 ``P {E}:replica-owner:{id}``        string    the token of the gateway process holding replica id ``id``,
-                                              expires :data:`REPLICA_TTL_S` after its last heartbeat
+                                              expires :data:`REPLICA_LATE_S` after its last heartbeat
 ``P {E}:completed``                 stream    one entry per move to succeeded/failed (``rid``, ``gid``,
                                               ``aid``), appended right after the status is written
                                               (:meth:`Store.announce_completed`); read by trainers
@@ -699,9 +699,10 @@ class Store:
     async def claim_replica(self, replica_id: str, owner: str) -> bool:
         """Take replica id ``replica_id`` for the process whose token is ``owner`` (``SET NX``: of two gateways
         starting under one id, one gets it). ``True`` if it is ``owner``'s now (or was already); ``False`` while
-        another process owns it: its ownership lapses :data:`REPLICA_TTL_S` after that one's last heartbeat."""
+        another process owns it: its ownership lapses :data:`REPLICA_LATE_S` after that one's last heartbeat (as
+        long as a drain waits for a late replica: one whose event loop was starved must not find its id taken)."""
         key = self.key("replica-owner", replica_id)
-        if await self.r.set(key, owner, nx=True, px=int(REPLICA_TTL_S * 1000)):
+        if await self.r.set(key, owner, nx=True, px=int(REPLICA_LATE_S * 1000)):
             return True
         held = await self.r.get(key)
         return held is not None and held.decode() == owner
@@ -716,7 +717,7 @@ class Store:
         if owner is not None:
             return bool(await self._heartbeat_script(
                 keys=[self.key("replica-owner", rid), self.key("replica", rid), self.key("replicas")],
-                args=[owner, int(REPLICA_TTL_S * 1000), status.model_dump_json(), REPLICA_LATE_S,
+                args=[owner, int(REPLICA_LATE_S * 1000), status.model_dump_json(), REPLICA_LATE_S,
                       status.updated_at + REPLICA_LATE_S, rid]))
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.key("replica", rid), status.model_dump_json(), ex=REPLICA_LATE_S)

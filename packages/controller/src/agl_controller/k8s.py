@@ -268,20 +268,19 @@ class JobRenderer:
                     c["resources"][part] = {k: _quantity(v, f"resources.{part}.{k}") for k, v in q.items()}
 
 
-def _quantity(value: Any, where: str) -> str:
-    """``value`` as a Kubernetes quantity string (``1``, ``500m``, ``2Gi``), checked as the API server checks it
-    (:func:`kubernetes.utils.quantity.parse_quantity`); ``ValueError`` (a template error) for anything else: a list,
-    null or ``True`` rendered there became the API's 422 at every attempt, a ``spawn_error`` retried for nothing."""
-    from kubernetes.utils.quantity import parse_quantity
+#: A non-negative Kubernetes quantity, as the API server parses one (apimachinery's ``resource.Quantity``: a
+#: number, then a binary suffix, a decimal suffix or a decimal exponent); ASCII only.
+QUANTITY = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?", re.ASCII)
 
+
+def _quantity(value: Any, where: str) -> str:
+    """``value`` as a Kubernetes quantity string (``1``, ``500m``, ``2Gi``), in the API server's grammar
+    (:data:`QUANTITY`); ``ValueError`` (a template error) for anything else: a list, null, ``true``, ``NaN``,
+    ``inf``, ``1_000`` or a full-width digit rendered there became the API's 422 at every attempt (a
+    ``spawn_error`` retried for nothing)."""
     text = str(value)
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
+    if isinstance(value, bool) or not isinstance(value, int | float | str) or not QUANTITY.fullmatch(text):
         raise ValueError(f"{where} {text!r:.40} is not a quantity (a number or a string such as 500m, 2Gi)")
-    try:
-        if parse_quantity(text) < 0:
-            raise ValueError("negative")
-    except ValueError:
-        raise ValueError(f"{where} {text!r:.40} is not a quantity (a number or a string such as 500m, 2Gi)") from None
     return text
 
 

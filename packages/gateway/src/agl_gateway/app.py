@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.settings import allowed_hosts
-from agl_common.store import REPLICA_TTL_S, Store
+from agl_common.store import REPLICA_LATE_S, Store
 from fastapi import FastAPI, Request
 from redis.exceptions import RedisError
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -257,15 +257,16 @@ class ReplicaIdLive(RuntimeError):
     """Another live gateway replica heartbeats under this replica id."""
 
 
-async def claim_replica_id(store: Store, replica_id: str, owner: str) -> None:
+async def claim_replica_id(store: Store, replica_id: str, owner: str, wait_s: float = REPLICA_LATE_S + 1) -> None:
     """Take ``replica_id`` for this process (token ``owner``) before it heartbeats under it: two replicas of one
     id overwrite each other's status (a pause would count one replica's in-flight calls, and call a replica that
     still forwards calls drained). The id is taken atomically (:meth:`Store.claim_replica`, ``SET NX``: of two
     gateways starting together, one gets it); one held by another process is tried again until its ownership
-    lapses (a replica that crashed: :data:`~agl_common.store.REPLICA_TTL_S` after its last heartbeat), and one
-    still held past that (a live replica renews it) raises :class:`ReplicaIdLive`. Redis out of reach: not
-    checked (the heartbeat loop retries, as before)."""
-    deadline = time.monotonic() + REPLICA_TTL_S + 1
+    lapses (a replica that crashed: :data:`~agl_common.store.REPLICA_LATE_S` after its last heartbeat, as long as
+    drains wait for it; a clean shutdown frees it at once), and one still held past that (a live replica renews
+    it) raises :class:`ReplicaIdLive` (after ``wait_s`` seconds). Redis out of reach: not checked (the heartbeat
+    loop retries, as before)."""
+    deadline = time.monotonic() + wait_s
     try:
         while not await store.claim_replica(replica_id, owner):
             if time.monotonic() > deadline:
@@ -283,9 +284,12 @@ async def _heartbeat(st: GatewayState) -> None:
     status = ReplicaStatus(replica_id=st.settings.replica_id, paused=gate.paused, in_flight=gate.in_flight,
                            held=gate.held, drained_ids=sorted(gate.drained_ids), model=policy and policy.model,
                            version=policy.version if policy else 0)
-    if not await st.store.heartbeat(status, st.owner):
-        log.error("replica id %r is held by another gateway process (this one's heartbeats stopped for more than "
-                  "%s s): its status is not written until that one stops", st.settings.replica_id, REPLICA_TTL_S)
+    if not await st.store.heartbeat(status, st.owner):  # another process took the id while this one was silent
+        if not st.displaced:  # past REPLICA_LATE_S: no drain counts this replica any more, so it forwards nothing
+            log.error("replica id %r is held by another gateway process (this one's heartbeats stopped for more than "
+                      "%s s): it answers 503 to every model call from now on; restart it", st.settings.replica_id,
+                      REPLICA_LATE_S)
+        st.displaced = True
         return
     if gate.last_drain_s is not None:
         st.metrics.drain_seconds.observe(gate.last_drain_s)

@@ -154,7 +154,7 @@ class Captured:
     sampled: int | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
-    said: bool = False  # choice 0 holds text or tool calls (then it cannot have come from no token ids)
+    said: bool = False  # choice 0 holds text (content, reasoning, refusal) or tool calls: not from no token ids
     shape: str | None = None  # why the agent can read no answer (no choices, or not n; a stream that fails check_choice)
     finish_reasons: list[str | None] = field(default_factory=list)  # every choice's, in index order (empty: one)
 
@@ -225,7 +225,8 @@ def capture_answer(route: str, data: dict[str, Any], n: int = 1) -> Captured:
     choices = ordered_choices(data)
     first = choices[0] if choices else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
-    said = bool(first.get("text") or message.get("content") or message.get("tool_calls"))
+    said = bool(first.get("text") or message.get("content") or message.get("tool_calls")
+                or any(message.get(k) for k in TEXT_FIELDS))
     for choice in choices:
         check_choice(route, choice)
     shape = None
@@ -364,8 +365,10 @@ class StreamCapture:
             delta = ch.get("delta") or {}
             if not isinstance(delta, dict):
                 raise MalformedUpstream("'delta' is not an object")
-            if cap.finish_reason and (ids or delta.get("content") or delta.get("tool_calls")):
-                raise MalformedUpstream(f"tokens after the stream's finish reason {cap.finish_reason!r:.20}")
+            if cap.finish_reason and (ids or delta.get("content") or delta.get("tool_calls")
+                                      or any(delta.get(k) for k in TEXT_FIELDS) or ch.get("finish_reason")):
+                raise MalformedUpstream(f"tokens (or a second finish reason) after the stream's finish reason "
+                                        f"{cap.finish_reason!r:.20}")
             n_ids += len(ids)
             cap.response_token_ids += ids
             lp = ch.get("logprobs") or {}
@@ -400,7 +403,7 @@ class StreamCapture:
                 index, fn = tc.get("index", 0), tc.get("function") or {}
                 if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                     raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")
-                if not isinstance(fn, dict) or not all(isinstance(fn.get(k) or "", str)
+                if not isinstance(fn, dict) or not all(fn.get(k) is None or isinstance(fn[k], str)
                                                        for k in ("name", "arguments")):
                     raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
                 acc = self.tool_calls.setdefault(index, {
@@ -431,7 +434,7 @@ class StreamCapture:
         """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to (``None``, with
         ``error`` set, if it nests deeper than :data:`MAX_JSON_DEPTH`)."""
         cap = self.cap
-        cap.said = bool("".join(self.text) or self.tool_calls)
+        cap.said = bool("".join(self.text) or self.tool_calls or any(self.other.get(k) for k in TEXT_FIELDS))
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **self.other}

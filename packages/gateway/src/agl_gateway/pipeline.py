@@ -228,6 +228,10 @@ class Call:
             held = await enter_gate(st, who)
             waited += time.perf_counter() - t_gate
             try:
+                if st.displaced:  # (no drain counts this replica: a call forwarded now could cross an update)
+                    raise ApiError(503, f"gateway replica {st.settings.replica_id!r} lost its id to another gateway; "
+                                   "retry (on another replica)", "server_error", "replica_displaced",
+                                   {"Retry-After": "1"})
                 if held:  # minutes may have passed: the rollout may have ended, the agent may have left
                     await self._still_wanted(relay)
                 await check_room(st, self.ident.rollout_id, self.ident.attempt_id)

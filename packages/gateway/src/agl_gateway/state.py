@@ -37,6 +37,8 @@ class GatewayState:
     tracer: Any = None  # agl_gateway.otel.CallTracer when --otel, else None
     #: this process's token for its replica id (:meth:`agl_common.store.Store.claim_replica`)
     owner: str = field(default_factory=lambda: secrets.token_hex(8))
+    #: another process took this replica's id (its heartbeats stopped too long): no drain counts it any more
+    displaced: bool = False
 
 
 def state_of(request: Request) -> GatewayState:

@@ -73,11 +73,14 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """``yaml.safe_load``, refusing a mapping that gives one key twice (the last one won without a word)."""
+    """``yaml.safe_load``, refusing a mapping that gives one key twice (the last one won without a word). Merge keys
+    (``<<: *base``) merge as before: a key given beside one overrides the merged value, as YAML says."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r:.60} given twice",

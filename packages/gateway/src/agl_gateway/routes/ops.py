@@ -32,6 +32,8 @@ async def readyz(request: Request):
         if await probe(st, url):
             checks["upstream"] = True
             break
+    if st.displaced:  # another gateway took this one's id: it forwards nothing
+        checks["replica_id"] = False
     ok = all(checks.values())
     body = {"status": "ready" if ok else "not ready", "checks": checks, "paused": st.gate.paused}
     if not ok:
