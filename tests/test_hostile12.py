@@ -473,3 +473,30 @@ async def test_what_the_third_prober_found_in_answers_and_sampling(store, redis_
     assert sampling_not_plain({"text": {"format": None}}) is None
     assert sampling_not_plain({"tool_choice": {"type": "tool", "name": "f"}}) == "tool_choice.type='tool'"
     assert sampling_not_plain({"text": {"format": {"type": "json_schema"}}}) == "text.format.type='json_schema'"
+
+
+def test_what_the_fourth_prober_found_in_configs_and_urls(tmp_path):
+    """The fourth prober: (1) YAML merge keys (``<<: *base``) were refused by the duplicate-key check; (2) a run's
+    ``config.json`` (its ``gateway_url`` password shown as ``***``) loaded for a resume with ``***`` as the password;
+    (3) ``redacted_url`` hid ``ssl_keyfile``, ``author``, ``tokenizer`` and showed a fragment's token, a user part
+    that is a token and a URL without a scheme."""
+    import subprocess
+    import sys
+
+    from agl_common.settings import redacted_url
+    from agl_trainer.config import TrainConfig
+
+    (tmp_path / "merge.yaml").write_text("policy_serving: adapter\nroles:\n  solver: &base {lr: 0.0001, lora_rank: 8, "
+                                         "models: [a]}\n  critic: {<<: *base, lr: 0.0002, models: [b]}\n")
+    roles = TrainConfig.from_yaml(tmp_path / "merge.yaml").roles
+    assert (roles["critic"].lr, roles["critic"].lora_rank, roles["solver"].lr) == (0.0002, 8, 0.0001)
+    shown = TrainConfig(gateway_url="http://u:pw123@127.0.0.1:8080", out_dir=str(tmp_path / "runs")).shown()
+    (tmp_path / "config.json").write_text(orjson.dumps(shown).decode())
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(tmp_path / "config.json")],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "gateway_url has a secret hidden" in out.stderr, out.stderr[-1000:]
+    assert redacted_url("rediss://h/0?ssl_keyfile=/k.pem&tokenizer=t&author=a&accessToken=z") == \
+        "rediss://h/0?ssl_keyfile=/k.pem&tokenizer=t&author=a&accessToken=***"
+    assert redacted_url("http://h/#access_token=S") == "http://h/#***"
+    assert redacted_url("http://ghp_T0K@h:8") == "http://***@h:8"
+    assert redacted_url("user:SECRET@127.0.0.1:8080") == "***@127.0.0.1:8080"

@@ -72,8 +72,10 @@ def check_env_names(names: list[str] | tuple[str, ...], what: str = "pass-env") 
     return list(names)
 
 
-#: Query parameter names taken to hold a secret (case-insensitive, anywhere in the name).
-SECRET_PARAM = re.compile(r"pass|secret|token|key|auth|sig|cred", re.IGNORECASE)
+#: Query parameter names taken to hold a secret: one of these words, whole, in the name (``api_key``, ``X-Auth``,
+#: ``accessToken``, ``password``), case-insensitive; ``ssl_keyfile``, ``tokenizer`` or ``author`` are not.
+SECRET_PARAM = re.compile(r"(?:^|[^a-z])(?:pass|password|passwd|pwd|secret|token|key|apikey|auth|authorization|sig|"
+                          r"signature|credential|credentials)(?:$|[^a-z])", re.IGNORECASE)
 
 
 def redacted_url(url: str) -> str:
@@ -87,9 +89,19 @@ def redacted_url(url: str) -> str:
         query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:  # not parseable: show nothing of it that could be a secret
         return "<unparseable URL>"
-    if any(SECRET_PARAM.search(k) for k, _ in query):
-        parts = parts._replace(query="&".join(f"{k}=***" if SECRET_PARAM.search(k) else
+    if not parts.netloc and "@" in url:  # no scheme (``user:pw@host:8080``): nothing before the @ is shown
+        return "***@" + url.rpartition("@")[2]
+
+    def secret(name: str) -> bool:  # camelCase split into words: accessToken -> access_Token
+        return bool(SECRET_PARAM.search(re.sub(r"([a-z])([A-Z])", r"\1_\2", name)))
+
+    if any(secret(k) for k, _ in query):
+        parts = parts._replace(query="&".join(f"{k}=***" if secret(k) else
                                               urlencode([(k, v)], safe=":/") for k, v in query))
+    if parts.fragment:  # (a fragment may carry a token: #access_token=...)
+        parts = parts._replace(fragment="***")
+    if parts.password is None and parts.username:  # a user part alone may be a token (https://ghp_x@host)
+        parts = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}")
     if parts.password is not None:
         host = parts.netloc.rpartition("@")[2]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")

@@ -634,6 +634,15 @@ class Store:
                 return None
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
+    async def recent_events(self, rollout_id: str, count: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many events the rollout's stream holds (all attempts) and its last ``count``, oldest first (one
+        round trip: XLEN, XREVRANGE COUNT; a page need not read thousands of events to show 50)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(self.rollout_key("events", rollout_id))
+        pipe.xrevrange(self.rollout_key("events", rollout_id), count=count)
+        total, entries = await pipe.execute()
+        return int(total), [orjson.loads(fields[b"d"]) for _, fields in reversed(entries)]
+
     async def read_events(self, rollout_id: str) -> list[dict[str, Any]]:
         entries = await self.r.xrange(self.rollout_key("events", rollout_id))
         return [orjson.loads(fields[b"d"]) for _, fields in entries]

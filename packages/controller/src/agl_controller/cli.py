@@ -14,7 +14,8 @@ from pathlib import Path
 
 import jinja2
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix, command_argv
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix, command_argv,
+                                 redacted_url)
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
@@ -41,8 +42,8 @@ def check_gateway_takes_no_key(gateway: str) -> None:
     except httpx.HTTPError:
         return
     if status == 401:
-        raise ValueError(f"the gateway at {gateway} has an admin key (401) and this controller none: every run's "
-                         "calls would be refused; give it --key / AGL_KEY (the gateway's)")
+        raise ValueError(f"the gateway at {redacted_url(gateway)} has an admin key (401) and this controller none: "
+                         "every run's calls would be refused; give it --key / AGL_KEY (the gateway's)")
 
 
 def _csv(text: str | None) -> list[str]:
@@ -103,6 +104,7 @@ def run(
     from agl_common.store import Store, check_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (its INFO lines print each request's URL, secrets too)
     # the admin key and the Redis URL (with its password) live on in this process's memory only (read into the
     # options above): no child (a harness, a forkserver started again, a process a reward or preload module starts
     # when it is imported by the checks below) inherits them from the environment

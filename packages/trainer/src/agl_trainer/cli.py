@@ -156,7 +156,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
     """The :class:`TrainConfig` in ``path`` (YAML, or a run's ``config.json``) with ``overrides`` applied;
     a file that does not validate: its error and exit 2; ``uses_redis``: its Redis URL will be used (then one whose
     password shows as ``***``, as a run's config.json holds it, is refused: give --redis)."""
-    from agl_common.settings import redacted_url
+    from agl_common.settings import redacted_url, redacted_urls
     from pydantic import ValidationError
 
     from .config import TrainConfig, describe_error
@@ -167,6 +167,11 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
         if uses_redis and "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # password "***"
             raise ValueError("its Redis URL has the password hidden (***, as a run's config.json shows it): give "
                              "the URL with --redis or AGL_REDIS_URL")
+        for field in ("gateway_url", "engine_url"):  # (config.json hides their secrets too: a run would use ***)
+            value = getattr(cfg, field) or ""
+            if uses_redis and "***" in value and redacted_urls(value) == value:
+                raise ValueError(f"its {field} has a secret hidden (***, as a run's config.json shows it): give it "
+                                 f"in a config of your own ({field}: in YAML)")
         return cfg
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(describe_error(exc))}", soft_wrap=True)
@@ -436,7 +441,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     50; ``--json``: one JSON object, every event)."""
     from agl_common.store import RolloutNotFound
 
-    from .ui.traces import analyse, event_lines, load_decoder, run_settings
+    from .ui.traces import EVENTS_SHOWN, analyse, event_lines, load_decoder, run_settings
 
     settings = run_settings(_load_config(config, uses_redis=False).model_dump() if config is not None else {})
     try:
@@ -448,8 +453,9 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     async def main():
         store = _store(redis, prefix)
         try:
-            return (await store.get_rollout(rollout_id), await store.read_calls(rollout_id),
-                    await store.read_events(rollout_id))
+            events = await store.read_events(rollout_id) if as_json else await store.recent_events(rollout_id,
+                                                                                                  EVENTS_SHOWN)
+            return await store.get_rollout(rollout_id), await store.read_calls(rollout_id), events
         finally:
             await store.close()
 
@@ -489,9 +495,10 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
                              f"sampled); {why}"))
     if not rows:
         console.print("no training row: no usable call in the current attempt")
-    shown = event_lines(events)
-    console.print(f"{len(events)} event(s) posted by the harness" + (f", the last {len(shown)}:" if len(shown) <
-                                                                       len(events) else ":" if events else ""))
+    n_events, recent = events
+    shown = event_lines(recent)
+    console.print(f"{n_events} event(s) posted by the harness" + (f", the last {len(shown)}:" if len(shown) <
+                                                                    n_events else ":" if n_events else ""))
     for e in shown:
         console.print(escape(printable(f"event {e['attempt']} {e['time']} {e['type']} {e['data']}")))
 

@@ -36,7 +36,8 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .runs import STEP_COLUMNS, Run, find_run, find_runs, load_run, step_groups
-from .traces import Decoder, TraceCache, event_lines, group_view, logprob_colour, message_text, run_settings
+from .traces import (EVENTS_SHOWN, Decoder, TraceCache, event_lines, group_view, logprob_colour, message_text,
+                     run_settings)
 
 HERE = Path(__file__).parent
 #: Calls per page of a rollout's calls table, tokens per page of a row's token view.
@@ -243,10 +244,10 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
         adv = None
         if run is not None and step is not None and gid is not None:
             adv = (await group_summary(run, gid))["advantages"].get(rid)
-        events = await store.read_events(rid)
+        n_events, events = await store.recent_events(rid, EVENTS_SHOWN)
         return page(request, "rollout.html", run=run, step=step, gid=gid, rollout=rollout, trace=trace,
                     calls=calls, page_no=page_no, n_pages=n_pages, base=base, advantage=adv, rows=rows,
-                    rows_page=rows_page, n_row_pages=n_row_pages, events=event_lines(events), n_events=len(events),
+                    rows_page=rows_page, n_row_pages=n_row_pages, events=event_lines(events), n_events=n_events,
                     message_text=message_text, crumbs=crumbs(run, step, gid, rid))
 
     async def row_page(request, run_id, step, gid, rid, k: int, page_no: int):
