@@ -165,7 +165,7 @@ async def test_sigkilled_controller_converges_without_duplicates(store, gateway_
         # the orphaned attempt-0 runs of the dead controller wake up and are refused
         for rid in ("slow0", "slow1"):
             status_file = tmp_path / f"{rid}.status"
-            for _ in range(150):
+            for _ in range(600):  # (its 9 s sleep began before the kill; on a loaded machine it wakes late)
                 if status_file.exists() and status_file.read_text():
                     break
                 await asyncio.sleep(0.1)
