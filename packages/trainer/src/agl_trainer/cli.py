@@ -97,8 +97,9 @@ def _check_task(cfg, train: bool = True) -> None:
 
 
 def _check_prefix(cfg) -> None:
-    """No live gateway or controller serves the prefix the run would start its own gateway on (:func:`stack.check_prefix_free`):
-    one line and exit 2 if one does, before anything starts (the last of the checks at start)."""
+    """No live gateway or controller serves the prefix the run would start its own gateway on
+    (:func:`stack.check_prefix_free`): one line and exit 2 if one does, before anything starts (the last of the
+    checks at start)."""
     from .stack import PrefixInUse, check_prefix_free
 
     try:
@@ -453,14 +454,17 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
     async def main():
         store = _store(redis, prefix)
         try:
-            events = await store.read_events(rollout_id) if as_json else await store.recent_events(rollout_id,
-                                                                                                  EVENTS_SHOWN)
+            if as_json:  # every event; the text shows how many, and the last EVENTS_SHOWN (read alone)
+                full = await store.read_events(rollout_id)
+                events = (len(full), full)
+            else:
+                events = await store.recent_events(rollout_id, EVENTS_SHOWN)
             return await store.get_rollout(rollout_id), await store.read_calls(rollout_id), events
         finally:
             await store.close()
 
     try:
-        rollout, calls, events = asyncio.run(main())
+        rollout, calls, (n_events, events) = asyncio.run(main())
     except RolloutNotFound:
         err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
         raise typer.Exit(1) from None
@@ -495,8 +499,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
                              f"sampled); {why}"))
     if not rows:
         console.print("no training row: no usable call in the current attempt")
-    n_events, recent = events
-    shown = event_lines(recent)
+    shown = event_lines(events)
     console.print(f"{n_events} event(s) posted by the harness" + (f", the last {len(shown)}:" if len(shown) <
                                                                     n_events else ":" if n_events else ""))
     for e in shown:
