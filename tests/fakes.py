@@ -23,6 +23,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import orjson
@@ -46,7 +47,17 @@ _VLLM_BODY_NULLS = {"service_tier": None, "system_fingerprint": None, "prompt_lo
 
 
 class Served:
-    """Run an ASGI app with uvicorn on a free loopback port in a background thread (``.app`` is the app)."""
+    """Run an ASGI app with uvicorn on a free loopback port in a background thread (``.app`` is the app).
+
+    Entering waits until it serves (up to :attr:`START_S` s; a start-up that failed raises ``RuntimeError`` with
+    the thread's exception: uvicorn's ``SystemExit(3)`` is a lifespan that raised, its traceback in the captured
+    log). Leaving waits until it has stopped, lifespan shutdown included: a server still alive after :attr:`STOP_S`
+    s raises ``RuntimeError`` there, naming its unfinished tasks, rather than leaving a thread that still serves,
+    and still holds what it claimed in Redis (a gateway's replica id), to the next test or server (it had waited
+    10 s, then gone on: a gateway that never stopped made a later test fail far from the cause)."""
+
+    START_S = 40.0
+    STOP_S = 40.0
 
     def __init__(self, app, port: int | None = None):
         self.app = app
@@ -54,20 +65,46 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"served-{self.port}")
+
+    def _run(self) -> None:
+        try:  # (uvicorn's Server.run, keeping the loop: a server that does not stop shows its tasks)
+            with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+                self.loop = runner.get_loop()
+                runner.run(self.server.serve())
+        except BaseException as exc:  # SystemExit(3): the app's lifespan raised (uvicorn logged its traceback)
+            self.error = exc
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.START_S
         while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
+            if not self.thread.is_alive():
+                raise RuntimeError(f"server on port {self.port} did not start: {self.error!r} (uvicorn's log, in "
+                                   "the captured stderr, has the cause)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start in {self.START_S:.0f} s")
             time.sleep(0.02)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=self.STOP_S)
+        if self.thread.is_alive() and exc_type is None:
+            raise RuntimeError(f"server on port {self.port} did not stop in {self.STOP_S:.0f} s; its tasks:\n"
+                               + self._tasks())
+
+    def _tasks(self) -> str:
+        """Each unfinished task of the server's loop and where it waits (read from another thread: a diagnosis)."""
+        try:
+            tasks = list(asyncio.all_tasks(self.loop))
+        except RuntimeError as exc:  # the set changed while read
+            return f"(unreadable: {exc})"
+        return "\n".join(f"{t.get_name()} {t.get_coro()!r}: " + " <- ".join(
+            f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})" for f in t.get_stack(limit=4))
+            for t in tasks)
 
 
 # ----------------------------------------------------------------------------------------- the bodies

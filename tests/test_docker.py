@@ -326,10 +326,11 @@ def test_compose_stack_records_calls_and_keeps_them_across_a_restart(docker, ima
             r = httpx.post(f"{url}/rollouts/dk-compose/attempts/0/v1/chat/completions", timeout=30,
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200
-            compose("stop")
-            codes = compose("ps", "-q").stdout.split()
-            assert codes and all(docker.inspect(c, "{{.State.ExitCode}}") == "0" for c in codes), \
-                compose("logs", check=False).stdout
+            compose("stop", "-t", "60")  # a clean stop exits 0; not how fast (10 s, Docker's default, then SIGKILL:
+            codes = compose("ps", "-q").stdout.split()  # 137 once on a loaded machine, CI beside a learning run)
+            exits = {c[:12]: docker.inspect(c, "{{.Name}} {{.State.ExitCode}} {{.State.OOMKilled}}") for c in codes}
+            assert codes and all(e.split()[1] == "0" for e in exits.values()), \
+                (exits, compose("logs", check=False).stdout[-4000:])
             compose("down")  # containers gone; the redis-data volume stays
             compose("up", "-d", "redis")
             r = redis.Redis(port=redis_port)

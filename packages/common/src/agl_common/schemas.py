@@ -97,18 +97,56 @@ def check_attempt_id(attempt_id: str) -> str:
 MAX_JSON_DEPTH = 64
 
 
+#: A run of digits that can spell an integer beyond 64 bits (``-2**63 - 1`` and ``2**64`` have 19 and 20 digits).
+_LONG_DIGITS = re.compile(r"\d{19,}")
+
+
+def long_integer(raw: str | bytes | bytearray) -> str | None:
+    """The first integer outside ``[-2**63, 2**64)`` in the valid JSON text ``raw`` (cut to 24 characters), or
+    ``None``: orjson reads such a number as the nearest double, so it would be stored changed (``2**64 + 1`` as
+    ``1.8446744073709552e19``). Only a text with a long run of digits (maybe inside a string) is parsed again."""
+    import json
+
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else raw
+    if not _LONG_DIGITS.search(text):
+        return None
+    found: list[str] = []
+
+    def parse_int(digits: str) -> int:
+        if not found and (len(digits.lstrip("-")) > 20 or not -(2**63) <= int(digits) < 2**64):
+            found.append(digits[:24] + ("..." if len(digits) > 24 else ""))
+        return 0
+
+    json.loads(text, parse_int=parse_int)
+    return found[0] if found else None
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"input gives the key {twice!r:.60} twice (one would silently replace the other)")
+    return dict(pairs)
+
+
 def parse_input(text: str) -> dict[str, Any]:
     """A rollout input given as JSON text (``rollouts create --input``, ``agl-controller run --dry-run --input``):
     strict JSON, as the gateway reads bodies (``NaN``, ``Infinity`` and ``1e999`` are refused, never stored as
-    null or rendered into a manifest), an object, nested at most :data:`MAX_JSON_DEPTH` levels. Raises
-    ``ValueError`` saying why."""
+    null or rendered into a manifest; an integer beyond 64 bits is refused, never stored bent), an object, nested
+    at most :data:`MAX_JSON_DEPTH` levels, no key given twice in one object. Raises ``ValueError`` saying why."""
     import orjson
+
+    import json
 
     value = orjson.loads(text)  # (orjson.JSONDecodeError is a ValueError)
     if not isinstance(value, dict):
         raise ValueError("input must be a JSON object")
     if too_deep(value):
         raise ValueError(f"input nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    if (big := long_integer(text)) is not None:
+        raise ValueError(f"input holds the integer {big}, beyond 64 bits: it cannot be stored exactly (give it as "
+                         "a string)")
+    json.loads(text, object_pairs_hook=_no_repeated_keys)
     return value
 
 
@@ -230,6 +268,10 @@ PLAIN_SAMPLING: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "auto", "none"), "tool_choice.type": (None, "auto", "none"),
     "text": (None,), "text.format": (None,), "text.format.type": (None, "text"),  # Responses
     "output_format": (None,), "output_config.format": (None,),  # Anthropic structured outputs (constrained)
+    # vLLM's own: a thinking budget forces the end-of-thinking tokens, extra args feed custom logits processors,
+    # a watermark biases the logits, a length penalty is beam search's
+    "thinking_token_budget": (None,), "vllm_xargs": (None, {}), "watermarking": (None, False),
+    "length_penalty": (None, 1),
 }
 
 

@@ -18,8 +18,10 @@ DEFAULT_PREFIX = "agl:"
 
 
 def check_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it can prefix the Redis keys: no ``{`` or ``}`` (Redis Cluster hash-tag delimiters);
-    else ``ValueError``. The Store and every settings model check it with this."""
+    """Return ``prefix`` if it can prefix the Redis keys: printable text (not bytes that are not UTF-8), no ``{``
+    or ``}`` (Redis Cluster hash-tag delimiters); else ``ValueError``. The Store and every settings model check it with this."""
+    if not prefix.isprintable():  # a terminal escape, or bytes that are not UTF-8 (read as lone surrogates)
+        raise ValueError(f"prefix {prefix!r} must be printable text")
     if "{" in prefix or "}" in prefix:
         raise ValueError(f"prefix {prefix!r} must not contain '{{' or '}}' (Redis Cluster hash-tag delimiters)")
     if not prefix.strip(":"):  # "" or ":": the keys' own hash tag would be "{}" (no slot: Redis Cluster fails)
@@ -106,6 +108,29 @@ def redacted_url(url: str) -> str:
         host = parts.netloc.rpartition("@")[2]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
     return parts.geturl()
+
+
+#: A URL inside a longer text (a command line's ``--base http://u:pw@h``): a scheme, ``://``, no space, quote or
+#: comma (a comma-separated list is several URLs: the second one's password was shown).
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>,]+")
+
+
+def redacted_text(text: str) -> str:
+    """``text`` with each URL in it (:data:`URL_IN_TEXT`) that holds a secret shown as :func:`redacted_url` shows
+    it; the rest of the text, and URLs without a secret, unchanged. For free text that may hold a URL: a harness
+    ``command``, a config's other string fields."""
+    def one(m: re.Match) -> str:
+        shown = redacted_url(m.group())
+        return shown if "***" in shown or shown.startswith("<") else m.group()
+
+    return URL_IN_TEXT.sub(one, text)
+
+
+def hides_secret(text: str) -> bool:
+    """Whether ``text`` holds a URL whose secret is already hidden (``***``, as :func:`redacted_text` shows it): a
+    run's ``config.json`` read back would send ``***`` as the password."""
+    urls = [u for part in text.split(",") for u in URL_IN_TEXT.findall(part)]  # (a list: each of its URLs)
+    return any("***" in u and redacted_url(u) == u for u in urls)
 
 
 def redacted_urls(value: str) -> str:

@@ -45,6 +45,7 @@ A store object is passed to whoever needs it; nothing is kept in module-level st
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPubSub, PipelineCommand, RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     AskError,
@@ -62,6 +63,7 @@ from redis.exceptions import (
     MovedError,
     NoScriptError,
     RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TimeoutError as RedisTimeoutError,
     TryAgainError,
@@ -69,6 +71,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from .aio import keeps_cancellation, methods_keep_cancellation
 from .schemas import (
     CallRecord,
     ControlCommand,
@@ -199,6 +202,22 @@ class NotReplicated(RedisError):
 _CLOSED_UNDER_US = (AttributeError, RuntimeError)
 
 
+class _PubSub(aioredis.client.PubSub):
+    """redis-py's pub/sub whose commands and reads never hide a cancellation
+    (:func:`~agl_common.aio.keeps_cancellation`; 36 of 100 lost in a loop of subscribe, listen, close). The one object of redis-py that callers of the
+    :class:`Store` use themselves (:meth:`Store.subscribe_control`); the Store's own methods are guarded whole."""
+
+    execute_command = keeps_cancellation(aioredis.client.PubSub.execute_command)
+    parse_response = keeps_cancellation(aioredis.client.PubSub.parse_response)
+
+
+class _ClusterPubSub(ClusterPubSub):
+    """The cluster pub/sub, likewise."""
+
+    execute_command = keeps_cancellation(ClusterPubSub.execute_command)
+    parse_response = keeps_cancellation(aioredis.client.PubSub.parse_response)
+
+
 class _RedisCluster(RedisCluster):
     """redis-py's asyncio cluster client with one of its races reported as what it is, a connection error.
 
@@ -214,6 +233,32 @@ class _RedisCluster(RedisCluster):
             return await super().execute_command(*args, **kwargs)
         except _CLOSED_UNDER_US as exc:
             raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
+
+
+class StoreRefused(RedisConnectionError):
+    """Redis answered but refused the connection's set-up: a database number it does not have (``/16`` on a
+    server of 16). A :class:`redis.exceptions.ConnectionError`, so every CLI prints it in one line; trying again
+    does not help, so a gateway refuses to start on it (:func:`agl_gateway.app.claim_replica_id`)."""
+
+
+class _CheckedSetup:
+    """Mixed into redis-py's connection class: an error answer to the set-up commands (``SELECT``) raises
+    :class:`StoreRefused` naming the URL (without its secrets), not a bare ``ResponseError`` that reads as a fault
+    of whatever command came first."""
+
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        try:
+            await super().on_connect_check_health(check_health)  # type: ignore[misc]
+        except ResponseError as exc:
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise StoreRefused(f"the Redis server refused database {getattr(self, 'db', 0)}: {exc}") from None
+
+
+def redis_error_line(exc: Exception) -> str:
+    """The one line a CLI prints for a Redis it cannot use (``exc``: a connection or timeout error)."""
+    if isinstance(exc, StoreRefused):
+        return f"Redis refused: {exc} (--redis / AGL_REDIS_URL)"
+    return f"Redis did not answer: {exc} (is it running? --redis / AGL_REDIS_URL)"
 
 
 def is_cluster_url(url: str) -> bool:
@@ -239,6 +284,10 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     database (Redis Cluster only has db 0): ``ValueError``.
     """
     parts = urlsplit(url)
+    if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
+        # (redis-py reads a path it cannot parse, ``/abc`` or ``/1/x``, as database 0 without a word)
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: the path must be a database number, got "
+                         f"{parts.path!r:.40}")
     if parts.scheme not in CLUSTER_SCHEMES:
         # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
         # instead of failing at once (redis-py's default pool turned load into "Too many connections").
@@ -251,9 +300,11 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
                 raise ValueError("database number out of range")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad Redis URL {redacted_url(url)}: {exc}") from None
+        pool.connection_class = type(pool.connection_class.__name__, (_CheckedSetup, pool.connection_class), {})
         return aioredis.Redis.from_pool(pool)
     if parts.path not in ("", "/", "/0"):
-        raise ValueError(f"a Redis Cluster URL has no database number (got path {parts.path!r} in {url!r})")
+        raise ValueError(f"a Redis Cluster URL has no database number (got path {parts.path!r} in "
+                         f"{redacted_url(url)})")
     netloc = parts.netloc.rsplit("@", 1)[-1]
     nodes = []
     for hostport in filter(None, netloc.split(",")):
@@ -262,7 +313,7 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
             host, port = hostport, ""
         nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))
     if not nodes:
-        raise ValueError(f"no node in Redis Cluster URL {url!r}")
+        raise ValueError(f"no node in Redis Cluster URL {redacted_url(url)}")
     auth = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
     user, _, password = auth.partition(":")
     opts = {k: v for k, v in (q.split("=", 1) for q in parts.query.split("&") if "=" in q)}
@@ -276,6 +327,7 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries))
 
 
+@methods_keep_cancellation
 class Store:
     """Typed access to one experiment's Redis keys.
 
@@ -381,13 +433,17 @@ class Store:
             raise RolloutNotFound(rollout_id)
         return Rollout.model_validate_json(raw)
 
-    async def get_rollouts(self, rollout_ids: list[str]) -> list[Rollout]:
-        """Fetch many rollouts in one round trip; raises :class:`RolloutNotFound` for a missing one."""
+    async def get_rollouts(self, rollout_ids: list[str], skip_missing: bool = False) -> list[Rollout]:
+        """Fetch many rollouts in one round trip, in the order of ``rollout_ids``. Raises :class:`RolloutNotFound`
+        for a missing one, or with ``skip_missing`` leaves it out (what views of the index use: a record deleted
+        or evicted by hand while the index still lists its id made whole listings fail)."""
         if not rollout_ids:
             return []
         raws = await self._mget([self.rollout_key("rollout", rid) for rid in rollout_ids])
         out = []
         for rid, raw in zip(rollout_ids, raws):
+            if raw is None and skip_missing:
+                continue
             if raw is None:
                 raise RolloutNotFound(rid)
             out.append(Rollout.model_validate_json(raw))
@@ -684,6 +740,7 @@ class Store:
         if self.cluster:
             await self.r.initialize()
         pubsub = self.r.pubsub()
+        pubsub.__class__ = _ClusterPubSub if self.cluster else _PubSub  # (see _PubSub)
         try:
             await pubsub.subscribe(self.key("control"))
         except BaseException:
@@ -862,19 +919,25 @@ class Store:
             await self.r.srem(self.key("controllers"), *gone)
         return {cid: raw is not None for cid, n, raw in zip(ids, has_list, alive) if n}
 
-    async def retry_attempt(self, rollout_id: str, attempt_id: str, enqueue: bool = False) -> Rollout:
+    async def retry_attempt(self, rollout_id: str, attempt_id: str, enqueue: bool = False,
+                            running_only: bool = False) -> Rollout:
         """Start a new attempt: ``running | failed → queuing`` with ``attempt_id + 1``, reward and times cleared.
 
         The old attempt is fenced from then on (the gateway answers 409 to its calls and rewards).
         Raises ``ValueError`` if ``attempt_id`` is no longer the current attempt (someone else retried it
-        first) or the rollout is neither running nor failed, and :class:`RolloutNotFound`. ``enqueue``: also push the id onto the queue (a manual retry).
+        first) or the rollout is neither running nor failed (with ``running_only``, not running: what a controller
+        retrying its own attempt asks, in the same transaction as the change: a rollout another controller ended
+        meanwhile stays ended), and :class:`RolloutNotFound`. ``enqueue``: also push the id onto the queue (a
+        manual retry).
         """
+        allowed = (RolloutStatus.running,) if running_only else (RolloutStatus.running, RolloutStatus.failed)
 
         def change(r: Rollout) -> None:
             if r.attempt_id != attempt_id:
                 raise ValueError(f"attempt {attempt_id} of {rollout_id!r} is stale (current: {r.attempt_id})")
-            if r.status not in (RolloutStatus.running, RolloutStatus.failed):
-                raise ValueError(f"rollout {rollout_id!r} is {r.status.value}: only running or failed can be retried")
+            if r.status not in allowed:
+                raise ValueError(f"rollout {rollout_id!r} is {r.status.value}: only "
+                                 f"{' or '.join(a.value for a in allowed)} can be retried")
             r.status = RolloutStatus.queuing
             r.attempt_id = str(int(r.attempt_id) + 1)
             r.reward = r.reward_message = r.failure = None

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -33,7 +34,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_reward
+from agl_common.aio import wait_until, within
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_reward, check_rollout_id
 from agl_common.store import RolloutNotFound, Store
 
 log = logging.getLogger("agl.controller")
@@ -85,6 +87,11 @@ FAILURE_REASONS = ("timeout", "exit_code", "signal", "oom_killed", "spawn_error"
                    "no_reward", "reward_error", "controller_error", "log_limit")
 
 
+#: Reasons whose failures carry a number (``exit_code:75``, ``signal:15``), and those with another detail.
+NUMBERED_REASONS = ("exit_code", "signal")
+DETAILED_REASONS = ("job_failed",)
+
+
 def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
     """``entries`` as a tuple, each checked to name a reason of :data:`FAILURE_REASONS` (alone or with a
     detail, ``exit_code:75``). Raises ``ValueError`` naming the unknown entries: a misspelt reason would
@@ -94,6 +101,15 @@ def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown failure reason(s) {', '.join(map(repr, unknown))}; "
                          f"known: {', '.join(FAILURE_REASONS)}")
+    # the failures carry a number as written by str(int): ``signal:15``, never ``signal:SIGTERM`` or ``exit_code:01``
+    never = [e for e in entries if e.partition(":")[0] in NUMBERED_REASONS and e.partition(":")[1]
+             and not re.fullmatch(r"-?(0|[1-9][0-9]*)", e.partition(":")[2])]
+    never += [e for e in entries if e.partition(":")[0] not in NUMBERED_REASONS + DETAILED_REASONS
+              and e.partition(":")[1]]
+    if never:
+        raise ValueError(f"failure reason(s) {', '.join(map(repr, never))} can never match: exit_code and signal "
+                         f"take a number (exit_code:75, signal:15), {', '.join(DETAILED_REASONS)} a detail, the "
+                         "others none")
     return entries
 
 
@@ -115,7 +131,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise ValueError(f"reward function must be 'module:function', got {spec!r}")
     try:
         mod = importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - ImportError, a SyntaxError, whatever its import raises
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, a SyntaxError, a sys.exit(), whatever
         raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
     try:
         fn = getattr(mod, name)
@@ -137,6 +153,22 @@ def final_output(calls: list[CallRecord]) -> str:
 def matches(failure: str, patterns: Iterable[str]) -> bool:
     """True if ``failure`` equals a pattern or starts with ``pattern + ':'``."""
     return any(failure == p or failure.startswith(p + ":") for p in patterns)
+
+
+#: The suffix of the list a restarted controller rotates its own leftover claims through (``{id}.restart``).
+RESTART_SUFFIX = ".restart"
+
+
+def check_controller_id(controller_id: str) -> str:
+    """Return ``controller_id`` if it can name a controller: a rollout id's characters and length
+    (:func:`agl_common.schemas.check_rollout_id`: it is part of Redis keys and log lines), not ending in
+    :data:`RESTART_SUFFIX` (controller ``x.restart`` and the restart of ``x`` would share one list of claims, and
+    ``x`` would adopt the other's running rollouts). Raises ``ValueError``."""
+    check_rollout_id(controller_id, "controller id")
+    if controller_id.endswith(RESTART_SUFFIX):
+        raise ValueError(f"controller id {controller_id!r:.60} must not end in {RESTART_SUFFIX!r} (the list a "
+                         "restarted controller of the id before it uses)")
+    return controller_id
 
 
 class Runner:
@@ -168,22 +200,30 @@ class Runner:
         self.reward_fn_always = reward_fn_always
         self.max_attempts = max_attempts
         self.retry_on = check_retry_on(retry_on)
-        self.controller_id = controller_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.controller_id = check_controller_id(controller_id) if controller_id is not None \
+            else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
         self.reward_timeout_s = reward_timeout_s
 
     # ---------------------------------------------------------------- lease and recovery
-    async def take_lease(self) -> None:
-        """Take this controller id's lease and adopt leftover claims (the start of ``run_forever``).
+    async def take_lease(self, stop: asyncio.Event | None = None) -> bool:
+        """Take this controller id's lease and adopt leftover claims (the start of ``run_forever``). Returns
+        whether it was taken: ``False`` if ``stop`` was set while waiting (a SIGTERM then ends the controller).
 
         A lease of this id left by an earlier run (a crash) is waited for until it expires (its own remaining
-        life, whatever this controller's ``lease_ttl_s``); one that is renewed meanwhile belongs to a live
-        controller running under the same id, whose work adopting would kill: raises :class:`ControllerIdLive`.
+        life, whatever this controller's ``lease_ttl_s``; said in the log, and ``stop`` ends the wait); one that
+        is renewed meanwhile belongs to a live controller running under the same id, whose work adopting would
+        kill: raises :class:`ControllerIdLive`.
         """
+        stop = stop or asyncio.Event()
         lease = await self.store.lease_of(self.controller_id)
         deadline = time.monotonic() + (lease[1] if lease else 0) + 0.5
+        if lease is not None:
+            log.warning("controller id %r holds a lease left by an earlier run (a crash?): waiting up to %.0f s for "
+                        "it to expire", self.controller_id, lease[1])
         while lease is not None and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.5, max(0.05, lease[1] / 6)))
+            if await wait_until(stop, min(0.5, max(0.05, lease[1] / 6))):
+                return False
             now = await self.store.lease_of(self.controller_id)
             if now is not None and now[0] != lease[0]:
                 raise ControllerIdLive(f"controller id {self.controller_id!r} is live: another controller renews "
@@ -191,6 +231,7 @@ class Runner:
             lease = now
         await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
         await self.reconcile_claims(startup=True)
+        return True
 
     async def lease_loop(self, stop: asyncio.Event) -> None:
         """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``."""
@@ -203,8 +244,7 @@ class Runner:
                     await self.reconcile_claims()
             except Exception as exc:  # Redis down: keep trying
                 log.warning("lease/reconcile failed: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.lease_ttl_s / 3)
+            await wait_until(stop, self.lease_ttl_s / 3)
 
     async def reconcile_claims(self, startup: bool = False) -> int:
         """Adopt the claims of dead controllers (and, with ``startup``, this id's own leftover claims).
@@ -221,7 +261,7 @@ class Runner:
                 continue
             source = cid
             if cid == self.controller_id:  # rotate our own leftovers through a temporary list
-                source = f"{cid}.restart"
+                source = cid + RESTART_SUFFIX
                 while await self.store.adopt_claim(cid, source):
                     pass
             while (rid := await self.store.adopt_claim(source, self.controller_id)) is not None:
@@ -306,7 +346,7 @@ class Runner:
                         rollout_id, attempt_id, reason, int(attempt_id) + 1)
             return await self.finish_attempt(rollout_id, attempt_id, "interrupted", check_calls=False)
         try:
-            rollout = await self.store.retry_attempt(rollout_id, attempt_id)
+            rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
         except (RolloutNotFound, ValueError) as exc:
             log.info("rollout %s attempt %s not handed back: %s", rollout_id, attempt_id, exc)
             await self.store.release_claim(self.controller_id, rollout_id)
@@ -332,7 +372,7 @@ class Runner:
             try:
                 # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
                 # other runs' outcomes): a frozen loop let the lease expire and another controller end them
-                value = check_reward(await asyncio.wait_for(
+                value = check_reward(await within(
                     in_daemon_thread(lambda: self.reward_fn(rollout.input, final_output(calls))),
                     self.reward_timeout_s))
             except (RewardFunctionError, ValueError, TimeoutError) as exc:  # TimeoutError: past reward_timeout_s
@@ -351,7 +391,7 @@ class Runner:
         if failure is None and rollout.reward is None:
             failure = "no_reward"
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
-            rollout = await self.store.retry_attempt(rollout_id, attempt_id)
+            rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
             await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
             await self.store.requeue_claim(self.controller_id, rollout_id)
             log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,

@@ -19,7 +19,7 @@ from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gatewa
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_retry_on, load_reward_fn
+from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_controller_id, check_retry_on, load_reward_fn
 from .local import DEFAULT_MAX_LOG_BYTES, NEVER_PASSED
 
 #: the longest --timeout / --lease-ttl (s): Redis takes a lease in ms, Kubernetes an int32 deadline
@@ -31,19 +31,54 @@ MIN_LEASE_TTL = 1.0
 app = typer.Typer(add_completion=False, help="AGL controller: one harness run per rollout.")
 
 
-def check_gateway_takes_no_key(gateway: str) -> None:
-    """Without ``--key`` every harness gets no working key: if the gateway answers ``GET /v1/models`` with 401 (it
-    has an admin key), raise ``ValueError`` (each rollout would fail ``no_model_calls``, the agent's own failure,
-    never retried). A gateway not answering yet is not checked (it may start after this controller)."""
+def check_gateway_key(gateway: str, key: str | None) -> None:
+    """Raise ``ValueError`` if ``key`` could not be a gateway's (not printable ASCII), or if the gateway answers
+    ``GET /v1/models`` with 401 to this controller's ``key`` (none:
+    the gateway has an admin key and this controller none; a key: it is not the gateway's). Either way every
+    harness would get a key the gateway refuses, and each rollout would fail ``no_model_calls`` (the agent's own
+    failure, never retried). A gateway not answering yet is not checked (it may start after this controller)."""
     import httpx
 
+    if key is not None and not (key and key.isascii() and key.isprintable() and key.strip() == key):
+        raise ValueError("--key / AGL_KEY must be printable ASCII without spaces around (as the gateway's is: it "
+                         "travels in an HTTP header)")
     try:
-        status = httpx.get(gateway.rstrip("/") + "/v1/models", timeout=3).status_code
+        status = httpx.get(gateway.rstrip("/") + "/v1/models", timeout=3,
+                           headers={"Authorization": f"Bearer {key}"} if key else None).status_code
     except httpx.HTTPError:
         return
-    if status == 401:
+    if status == 401 and not key:
         raise ValueError(f"the gateway at {redacted_url(gateway)} has an admin key (401) and this controller none: "
                          "every run's calls would be refused; give it --key / AGL_KEY (the gateway's)")
+    if status == 401:
+        raise ValueError(f"the gateway at {redacted_url(gateway)} refused this controller's key (401): --key / "
+                         "AGL_KEY is not the gateway's admin key, and every run's calls would be refused")
+
+
+#: the options only one mode reads (parameter name → mode); the other mode would ignore them
+MODE_ONLY = {"command": "local", "preload": "local", "pass_env": "local", "log_dir": "local",
+             "max_log_bytes": "local", "template": "k8s", "namespace": "k8s", "jobs_per_minute": "k8s",
+             "ttl_after_finished": "k8s", "input_templates": "k8s", "inputs": "k8s"}
+
+
+def check_mode_options(ctx: typer.Context, mode: str) -> list[str]:
+    """The options of ``ctx`` given for the mode other than ``mode``, which ``mode`` would ignore. One given on
+    the command line raises ``ValueError`` (the user meant it: a k8s ``--namespace`` with ``--mode local`` must
+    not run harnesses here as if it applied); one from the environment (a deployment's shared variables) is
+    returned as a warning line. What counts is where an option came from, not its value: one not given is not
+    counted, one given is, even at its default value (``--namespace default`` with ``--mode local``)."""
+    warnings = []
+    for name, only in MODE_ONLY.items():
+        if only == mode or mode not in ("local", "k8s"):
+            continue
+        source = getattr(ctx.get_parameter_source(name), "name", None)  # (typer's own click: compared by name)
+        param = next(p for p in ctx.command.params if p.name == name)
+        flag = max(param.opts, key=len)
+        if source == "COMMANDLINE":
+            raise ValueError(f"{flag} is a {only}-mode option: --mode {mode} would ignore it")
+        if source == "ENVIRONMENT":
+            warnings.append(f"warning: {param.envvar} ({flag}) is a {only}-mode option: ignored in {mode} mode")
+    return warnings
 
 
 def _csv(text: str | None) -> list[str]:
@@ -57,6 +92,7 @@ def _main() -> None:
 
 @app.command()
 def run(
+    ctx: typer.Context,
     command: str = typer.Option(None, "--command", envvar="AGL_COMMAND", help="harness command line (local mode)"),
     mode: str = typer.Option("local", envvar="AGL_MODE", help="local | k8s"),
     gateway: str = typer.Option("http://127.0.0.1:8080", envvar="AGL_GATEWAY_URL", help="gateway base URL"),
@@ -129,8 +165,12 @@ def run(
             raise ValueError(f"--lease-ttl must be a number of seconds in [{MIN_LEASE_TTL}, {MAX_SECONDS}], "
                              f"got {lease_ttl} (a shorter lease lapses while its controller lives: another one "
                              "would end its runs as controller_lost)")
-        if not key and not dry_run:
-            check_gateway_takes_no_key(gateway)
+        if controller_id is not None:
+            check_controller_id(controller_id)
+        for line in check_mode_options(ctx, mode):
+            typer.echo(line, err=True)
+        if not dry_run:
+            check_gateway_key(gateway, key)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -228,7 +268,9 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        typer.echo(f"error: Redis did not answer: {exc} (is it running? --redis / AGL_REDIS_URL)", err=True)
+        from agl_common.store import redis_error_line
+
+        typer.echo(f"error: {redis_error_line(exc)}", err=True)
         raise typer.Exit(1) from None
     except (ControllerIdLive, NoCluster) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -265,7 +307,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
             store = Store(redis, prefix)
             try:
                 ids = await store.queued_ids()
-                return await store.get_rollouts(list(reversed(ids)))
+                return await store.get_rollouts(list(reversed(ids)), skip_missing=True)
             finally:
                 await store.close()
 

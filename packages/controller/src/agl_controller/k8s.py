@@ -56,6 +56,7 @@ import jinja2
 import markupsafe
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import yaml
+from agl_common.aio import within
 from agl_common.schemas import Rollout, RolloutStatus
 from agl_common.store import RolloutNotFound, Store
 
@@ -411,7 +412,8 @@ class K8sRunner(Runner):
         """
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        await self.take_lease()
+        if not await self.take_lease(stop):  # stopped while an earlier run's lease lapsed
+            return
         lease_stop = asyncio.Event()
         lease_task = asyncio.create_task(self.lease_loop(lease_stop))
         watch_stop = threading.Event()
@@ -431,7 +433,7 @@ class K8sRunner(Runner):
                 except Exception:
                     log.exception("k8s round failed")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wait_any(stop, self._wake), timeout=self.poll_s)
+                    await within(self._wait_any(stop, self._wake), self.poll_s)
         finally:
             watch_stop.set()
             lease_stop.set()

@@ -36,9 +36,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from agl_common.aio import wait_until, within
 from agl_common.auth import scoped_key
 from agl_common.schemas import Rollout, RolloutStatus
-from agl_common.settings import check_env_names
+from agl_common.settings import check_env_names, redacted_text
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
@@ -61,6 +62,9 @@ NEVER_PASSED = frozenset({"AGL_KEY", "AGL_REDIS_URL"})
 DEFAULT_MAX_LOG_BYTES = 64 * 2**20
 #: Seconds between two checks of a running attempt's log size.
 LOG_CHECK_S = 0.25
+#: Seconds a run past its ``timeout_s`` is given for its exit to be seen before it counts as a ``timeout`` (a run
+#: that exited in time while this controller was stopped or starved was recorded ``timeout`` and retried).
+EXIT_SEEN_S = 1.0
 
 
 def passed_env(environ: dict[str, str], names: Iterable[str]) -> dict[str, str]:
@@ -194,14 +198,14 @@ class LocalRunner(Runner):
         reconciles every ``lease_ttl_s`` s.
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        await self.take_lease()
+        if not await self.take_lease(stop):  # stopped while an earlier run's lease lapsed
+            return
         lease_stop = asyncio.Event()
         lease_task = asyncio.create_task(self.lease_loop(lease_stop))
         try:
             while not stop.is_set():
                 if self._sem.locked():  # all slots busy: wait for one, but keep watching ``stop``
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), timeout=0.2)
+                    await wait_until(stop, 0.2)
                     continue
                 await self._sem.acquire()
                 try:
@@ -259,10 +263,14 @@ class LocalRunner(Runner):
         while True:
             left = self.timeout_s - (time.monotonic() - t0)
             if left <= 0:
+                # a run that has ended is not a timeout, even if this controller looks late (its loop stopped or
+                # starved past the deadline): its exit is given EXIT_SEEN_S to be seen first
+                with contextlib.suppress(TimeoutError):
+                    return _outcome(await within(asyncio.shield(waiter), EXIT_SEEN_S))
                 failure = "timeout"
                 break
             with contextlib.suppress(TimeoutError):
-                return _outcome(await asyncio.wait_for(asyncio.shield(waiter), timeout=min(left, LOG_CHECK_S)))
+                return _outcome(await within(asyncio.shield(waiter), min(left, LOG_CHECK_S)))
             with contextlib.suppress(OSError):
                 if os.fstat(log_fd).st_size > self.max_log_bytes:
                     failure = "log_limit"
@@ -298,7 +306,7 @@ class LocalRunner(Runner):
             proc = await self.launcher.start(env, self.cwd, log_path)
         except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
             # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
-            log.warning("cannot start %s: %r", self.command, exc)
+            log.warning("cannot start %s: %s", redacted_text(shlex.join(self.command)), redacted_text(repr(exc)))
             if log_fd >= 0:
                 os.close(log_fd)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)

@@ -115,19 +115,68 @@ def create_log(log_path: Path) -> int:
     return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
-def _start_forkserver(env: dict[str, str]) -> None:
-    """Start this process's multiprocessing forkserver now, exec'd with exactly ``env`` (it inherits the C-level
-    environment: ``os.environ`` is swapped for the duration of its start, then restored). No-op if it runs."""
+def _forkserver_alive() -> bool:
+    """Whether this process's multiprocessing forkserver runs. Its pid is polled with ``WNOWAIT``: a dead one is
+    left for ``ensure_running`` to reap (the stdlib has no public "is it running": its ``_forkserver_pid``)."""
     from multiprocessing import forkserver
 
-    saved = dict(os.environ)
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return False
     try:
-        os.environ.clear()
-        os.environ.update(env)
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _start_forkserver(env: dict[str, str]) -> None:
+    """Start this process's multiprocessing forkserver, exec'd with exactly ``env``; a no-op while it runs.
+
+    The forkserver inherits the C-level environment, so that (and only that) is swapped for the duration of its
+    start with ``os.putenv``/``os.unsetenv``: ``os.environ`` is never touched, so a reward function running in
+    another thread of this process reads the controller's environment throughout (it once read the harness's).
+    """
+    from multiprocessing import forkserver
+
+    if _forkserver_alive():
+        return
+    ours = dict(os.environ)  # what the C-level environment holds: every os.environ write goes through putenv
+    try:
+        for key in ours.keys() - env.keys():
+            os.unsetenv(key)
+        for key, value in env.items():
+            os.putenv(key, value)
         forkserver.ensure_running()
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for key in env.keys() - ours.keys():
+            os.unsetenv(key)
+        for key, value in ours.items():
+            os.putenv(key, value)
+
+
+def check_command(command: list[str], preload: list[str] | None = None, found: bool = False) -> None:
+    """Raise :class:`LaunchError` if ``command`` (an argv) cannot be started as the :class:`Launcher` would: with
+    ``preload``, a command other than ``PYTHON SCRIPT ...`` or ``PYTHON -m MODULE ...`` run by this process's own
+    interpreter (the forkserver is this interpreter), without interpreter options; with ``found``, a program that is
+    not found (else each run fails ``spawn_error``). The trainer checks with both before anything starts."""
+    if not command:
+        raise LaunchError("the harness command names no program")
+    if found and not shutil.which(command[0]) and not (os.sep in command[0] and Path(command[0]).is_file()):
+        raise LaunchError(f"the harness program {command[0]!r:.80} is not found (PATH, or a path from the working "
+                          "directory)")
+    if not [m for m in (preload or []) if m]:
+        return
+    if len(command) < 2 or (command[1] == "-m" and len(command) < 3):
+        raise LaunchError(f"preload needs a Python command (python script.py ...), got {command}")
+    if command[1].startswith("-") and command[1] != "-m":
+        raise LaunchError(f"preload runs `python SCRIPT ...` or `python -m MODULE ...`; interpreter options "
+                          f"({command[1]}) are not taken: drop them (PYTHONUNBUFFERED=1 for -u) or drop --preload")
+    exe = command[0]
+    resolved = Path(exe if os.sep in exe else (shutil.which(exe) or exe))
+    if resolved.absolute() != Path(sys.executable).absolute() and \
+            resolved.resolve() != Path(sys.executable).resolve():
+        raise LaunchError(f"preload forks this controller's Python ({sys.executable}); the command runs "
+                          f"{exe}: use the same interpreter or drop --preload")
 
 
 class Launcher:
@@ -149,25 +198,14 @@ class Launcher:
         self.command = list(command)
         self.preload = [m for m in (preload or []) if m]
         self._ctx = None
+        check_command(self.command, self.preload)
         if self.preload:
-            if len(self.command) < 2 or (self.command[1] == "-m" and len(self.command) < 3):
-                raise LaunchError(f"preload needs a Python command (python script.py ...), got {self.command}")
-            if self.command[1].startswith("-") and self.command[1] != "-m":
-                raise LaunchError(f"preload runs `python SCRIPT ...` or `python -m MODULE ...`; interpreter options "
-                                  f"({self.command[1]}) are not taken: drop them (PYTHONUNBUFFERED=1 for -u) or "
-                                  "drop --preload")
-            exe = self.command[0]
-            resolved = Path(exe if os.sep in exe else (shutil.which(exe) or exe))
-            if resolved.absolute() != Path(sys.executable).absolute() and \
-                    resolved.resolve() != Path(sys.executable).resolve():
-                raise LaunchError(f"preload forks this controller's Python ({sys.executable}); the command runs "
-                                  f"{exe}: use the same interpreter or drop --preload")
             import importlib
 
             for module in self.preload:  # imported here first: the forkserver skips an ImportError silently and
                 try:  # dies of anything else, and every later start would fail
                     importlib.import_module(module)
-                except Exception as exc:  # noqa: BLE001 - ImportError, SyntaxError, whatever its import raises
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, a sys.exit(), whatever
                     raise LaunchError(f"preload: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
             self._ctx = multiprocessing.get_context("forkserver")
             self._ctx.set_forkserver_preload([__name__, *self.preload])

@@ -7,11 +7,13 @@ import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
+from agl_common.aio import wait_until
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.settings import allowed_hosts
-from agl_common.store import REPLICA_LATE_S, Store
+from agl_common.store import REPLICA_LATE_S, Store, StoreRefused
 from fastapi import FastAPI, Request
 from redis.exceptions import RedisError
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -132,9 +134,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                           metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
         app.state.agl = st
         await claim_replica_id(store, settings.replica_id, st.owner)
-        with contextlib.suppress(RedisError, OSError):  # registered before the first call can be answered
+        pubsub = None
+        with contextlib.suppress(RedisError, OSError):
+            # before the first call can be answered: subscribed (no command missed from now on), registered (a drain
+            # from now on waits for this replica), then a pause held now is held (a drain that did not see this
+            # replica had stored its pause first). The gate starting open forwarded calls across an acknowledged drain.
+            pubsub = await store.subscribe_control()
             await _heartbeat(st)
-        tasks = [asyncio.create_task(_control_loop(st)), asyncio.create_task(_heartbeat_loop(st, wake)),
+            try:
+                await _sync_from_store(st)
+            except ValueError as exc:  # a stored policy or pause this version cannot read: served as before
+                log.warning("stored policy or pause unreadable (%s); the control loop keeps trying", exc)
+        tasks = [asyncio.create_task(_control_loop(st, pubsub)), asyncio.create_task(_heartbeat_loop(st, wake)),
                  asyncio.create_task(_discover_model(st))]
         # LiteLLM is not imported here: the first translated call starts its import (translate.ready()).
         # A start-up import competed for the GIL and the import locks with every call of a gateway that
@@ -226,12 +237,13 @@ async def _sync_from_store(st: GatewayState) -> None:
     hold(st, await st.store.pauses())
 
 
-async def _control_loop(st: GatewayState) -> None:
-    """Listen on the control channel; on (re)connect, re-read the stored state first."""
+async def _control_loop(st: GatewayState, pubsub: Any = None) -> None:
+    """Listen on the control channel (``pubsub``: already subscribed at start-up); on (re)connect, re-read the
+    stored state first."""
     while True:
-        pubsub = None
         try:
-            pubsub = await st.store.subscribe_control()
+            if pubsub is None:
+                pubsub = await st.store.subscribe_control()
             await _sync_from_store(st)
             async for message in pubsub.listen():
                 if message.get("type") != "message":
@@ -251,6 +263,7 @@ async def _control_loop(st: GatewayState) -> None:
             if pubsub is not None:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+            pubsub = None
 
 
 class ReplicaIdLive(RuntimeError):
@@ -265,7 +278,7 @@ async def claim_replica_id(store: Store, replica_id: str, owner: str, wait_s: fl
     lapses (a replica that crashed: :data:`~agl_common.store.REPLICA_LATE_S` after its last heartbeat, as long as
     drains wait for it; a clean shutdown frees it at once), and one still held past that (a live replica renews
     it) raises :class:`ReplicaIdLive` (after ``wait_s`` seconds). Redis out of reach: not checked (the heartbeat
-    loop retries, as before)."""
+    loop retries, as before); a Redis that refuses the URL's database raises :class:`~agl_common.store.StoreRefused`."""
     deadline = time.monotonic() + wait_s
     try:
         while not await store.claim_replica(replica_id, owner):
@@ -273,6 +286,8 @@ async def claim_replica_id(store: Store, replica_id: str, owner: str, wait_s: fl
                 raise ReplicaIdLive(f"gateway replica id {replica_id!r} is live: another gateway heartbeats under "
                                     "it; give this one another AGL_REPLICA_ID (or stop the other)")
             await asyncio.sleep(0.25)
+    except StoreRefused:  # a database the server does not have: every call would be a 503, for ever
+        raise
     except (RedisError, OSError) as exc:
         log.warning("could not check that replica id %r is free: %s", replica_id, exc)
 
@@ -306,5 +321,4 @@ async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
         except Exception as exc:
             log.warning("heartbeat failed: %s", exc)
         wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), timeout=st.settings.heartbeat_s)
+        await wait_until(wake, st.settings.heartbeat_s)

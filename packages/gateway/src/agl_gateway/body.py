@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from agl_common.schemas import MAX_JSON_DEPTH, too_deep
+from agl_common.schemas import MAX_JSON_DEPTH, long_integer, too_deep
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from .errors import ApiError, bad_request
 
-
 async def read_json(request: Request, max_bytes: int, keyless: bool = False) -> dict[str, Any]:
     """The request body as a JSON object. Raises ``ApiError`` 413 (over ``max_bytes`` bytes), 403 (``keyless``: a
     request carrying ``Origin``, which browsers add to every POST and no agent's HTTP client sends: a web page open
     on the machine must not call a gateway that checks no key, cross-site or after a DNS rebinding) or 400 (not a
-    JSON object, nested deeper than :data:`MAX_JSON_DEPTH`, or the agent went away mid-body)."""
+    JSON object, nested deeper than :data:`MAX_JSON_DEPTH`, holding an integer beyond 64 bits, or the agent went away
+    mid-body)."""
     if keyless and request.headers.get("origin") is not None:
         raise ApiError(403, "a gateway without a key takes no request from a web page (Origin header); give it a key "
                        "(--key) to serve browsers", "permission_error", "browser_request")
@@ -41,4 +41,7 @@ async def read_json(request: Request, max_bytes: int, keyless: bool = False) -> 
     # fewer brackets than the limit in the whole text: cannot nest deeper (brackets in strings only add)
     if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and too_deep(data):
         raise bad_request(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    if (big := long_integer(body)) is not None:  # (orjson read it as the nearest double: forwarded, recorded bent)
+        raise bad_request(f"request body holds the integer {big}, beyond 64 bits: it cannot be read exactly (send "
+                          "it as a string)", "invalid_json")
     return data

@@ -49,6 +49,8 @@ def serve(
     """Serve the gateway (uvicorn, one process)."""
     from pydantic import ValidationError
 
+    from agl_common.store import StoreRefused
+
     from .app import ReplicaIdLive, create_app
 
     try:
@@ -63,7 +65,7 @@ def serve(
         raise typer.Exit(2) from None
     try:  # (the app's start-up checks again: for apps made in-process; this is the CLI's one-line refusal)
         asyncio.run(_claim(settings))
-    except ReplicaIdLive as exc:
+    except (ReplicaIdLive, StoreRefused) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     run_server(create_app(settings), host=host, port=port, log_level=log_level)

@@ -10,6 +10,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from agl_common.aio import wait_until
+
 
 class HeldTooLong(Exception):
     """A call was held longer than ``max_hold`` seconds during a pause."""
@@ -99,10 +101,7 @@ class PauseGate:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise HeldTooLong()
-                    try:
-                        await asyncio.wait_for(self._open.wait(), timeout=remaining)
-                    except TimeoutError:
-                        raise HeldTooLong() from None
+                    await wait_until(self._open, remaining)
             except BaseException:
                 self._release(who)
                 raise

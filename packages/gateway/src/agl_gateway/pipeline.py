@@ -93,6 +93,14 @@ async def enter_gate(st: GatewayState, who: str = "") -> bool:
                        "server_error", "shutting_down", {"Retry-After": "1"}) from None
 
 
+def check_not_displaced(st: GatewayState) -> None:
+    """``ApiError`` 503 ``replica_displaced`` if another gateway took this replica's id: no drain counts this
+    replica any more, so a call forwarded now could cross a weight update. Checked inside the gate."""
+    if st.displaced:
+        raise ApiError(503, f"gateway replica {st.settings.replica_id!r} lost its id to another gateway; retry (on "
+                       "another replica)", "server_error", "replica_displaced", {"Retry-After": "1"})
+
+
 def route(policy: Policy, body: dict[str, Any], role: str | None) -> tuple[str | None, str]:
     """``(role, served model name)`` of a call (:func:`agl_common.schemas.route_call` on its body's ``model``
     and its ``X-AGL-Role`` header); ``ApiError`` 400 ``unknown_role`` naming the known roles."""
@@ -142,6 +150,9 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
                           f"would be answered as several choices, got {prompt!r:.40}")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_request(f"'stream_options' must be an object, got {body['stream_options']!r:.40}")
+    for name, value in (body.get("stream_options") or {}).items():  # the gateway asks the engine for its own
+        if name not in ("include_usage", "include_obfuscation") and value not in (None, False):
+            raise bad_request(f"'stream_options.{name:.40}' is not carried by this gateway (only include_usage)")
     upstream = spec.to_upstream(body) if spec.to_upstream else dict(body)
     if spec.path == "/chat/completions":
         check_conversation(upstream.get("messages"))
@@ -228,10 +239,7 @@ class Call:
             held = await enter_gate(st, who)
             waited += time.perf_counter() - t_gate
             try:
-                if st.displaced:  # (no drain counts this replica: a call forwarded now could cross an update)
-                    raise ApiError(503, f"gateway replica {st.settings.replica_id!r} lost its id to another gateway; "
-                                   "retry (on another replica)", "server_error", "replica_displaced",
-                                   {"Retry-After": "1"})
+                check_not_displaced(st)
                 if held:  # minutes may have passed: the rollout may have ended, the agent may have left
                     await self._still_wanted(relay)
                 await check_room(st, self.ident.rollout_id, self.ident.attempt_id)

@@ -197,6 +197,10 @@ def check_anthropic(body: dict[str, Any]) -> None:
         if body.get(field) is not None:
             raise _refuse(what, f"{field!r}", "is not supported: no engine behind this gateway runs MCP servers or "
                           "containers (give the agent function tools it runs itself)")
+    config = body.get("output_config")
+    if config is not None and not (isinstance(config, dict) and config.keys() <= {"format"}):
+        raise _refuse(what, "'output_config'", "is translated for its 'format' (structured outputs) only; other "
+                      f"settings (effort) would be dropped without a word, got {config!r:.60}")
     if body.get("n") not in (None, 1):  # not an Anthropic field: LiteLLM forwarded it and the agent saw 1 of n
         raise _refuse(what, "'n'", f"is not an Anthropic Messages field (one answer per call), got {body['n']!r:.20}")
     choice = body.get("tool_choice")
@@ -231,6 +235,11 @@ def check_responses(body: dict[str, Any]) -> None:
         if body.get(field) not in defaults:
             raise _refuse(what, f"{field!r}", f"is not carried by the translation (only {defaults[1]!r} or absent), "
                           f"got {body.get(field)!r:.40}")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise _refuse(what, "'include'", f"must be a list of strings, got {include!r:.40}")
+    if "message.output_text.logprobs" in (include or ()):  # (the answer's parts carried none: an empty list)
+        raise _refuse(what, "'include'", "'message.output_text.logprobs' is not carried by the translation")
     for field in ("previous_response_id", "conversation", "prompt"):
         if body.get(field) is not None:
             raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state and no "
@@ -301,7 +310,7 @@ def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"invalid Anthropic Messages request: {exc}") from None
     if req is None:
         raise bad_request("invalid Anthropic Messages request")
-    req = dict(req)
+    req = _keep_empty_system(dict(req), body.get("system"))
     messages = req.get("messages")
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
             and messages[-1].get("role") == "assistant":
@@ -316,6 +325,14 @@ def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str,
     litellm, adapter, _ = _litellm()
     out = _dump(adapter.translate_completion_output_params(litellm.ModelResponse(**answer)))
     out["model"] = body.get("model", out.get("model"))
+    # an answer cut by one of the agent's stop sequences says so (vLLM names the matched string in the choice's
+    # ``stop_reason``; LiteLLM's adapter reads only ``finish_reason`` and said ``end_turn``)
+    choices = answer.get("choices") or [{}]
+    matched = choices[0].get("stop_reason") if isinstance(choices[0], dict) else None
+    stops = body.get("stop_sequences")
+    if out.get("stop_reason") == "end_turn" and isinstance(matched, str) and isinstance(stops, list) \
+            and matched in stops:
+        out["stop_reason"], out["stop_sequence"] = "stop_sequence", matched
     return out
 
 
@@ -374,7 +391,20 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
             model=str(body.get("model") or "m"), input=body["input"], responses_api_request=_responses_params(body))
     except Exception as exc:
         raise bad_request(f"invalid Responses request: {exc}") from None
-    return {k: v for k, v in dict(req).items() if v is not None and not k.startswith("litellm")}
+    return _keep_empty_system({k: v for k, v in dict(req).items() if v is not None and not k.startswith("litellm")},
+                              body.get("instructions"))
+
+
+def _keep_empty_system(req: dict[str, Any], system: Any) -> dict[str, Any]:
+    """``req`` with an empty system message first where the agent gave an empty system prompt (Anthropic
+    ``system: ""``, Responses ``instructions: ""``) and LiteLLM dropped it: without one, the chat template adds its
+    own default system prompt, which the agent did not ask for (``[{"type": "text", "text": ""}]`` already comes
+    through as an empty system message)."""
+    messages = req.get("messages")
+    if system == "" and isinstance(messages, list) and not (
+            messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
+        req["messages"] = [{"role": "system", "content": ""}, *messages]
+    return req
 
 
 def chat_to_responses(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -414,7 +444,9 @@ def responses_sse(response: dict[str, Any], body: dict[str, Any] | None = None) 
                 yield event("response.content_part.done", {"item_id": item.get("id"), "output_index": i,
                                                            "content_index": j, "part": part})
         yield event("response.output_item.done", {"output_index": i, "item": item})
-    yield event("response.completed", {"response": response})
+    # a cut answer (max_output_tokens) ends as OpenAI ends it: agents branch on the event's type
+    yield event("response.incomplete" if response.get("status") == "incomplete" else "response.completed",
+                {"response": response})
 
 
 # --------------------------------------------------------------------------------------- chat

@@ -39,6 +39,19 @@ console = Console() if sys.stdout.isatty() else Console(width=250)
 err = Console(stderr=True)
 
 
+def _a_rollout_id(value: str | None) -> str | None:
+    """Typer callback of an argument naming one rollout: :func:`agl_common.schemas.check_rollout_id`, else a usage
+    error (exit 2; bytes that are not UTF-8 were a ``UnicodeEncodeError`` traceback once they reached Redis)."""
+    from agl_common.schemas import check_rollout_id
+
+    if value is None:
+        return None
+    try:
+        return check_rollout_id(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def _store(redis: str, prefix: str):
     """The ``Store`` of ``--redis`` / ``--prefix``; a URL or prefix it refuses is a usage error (exit 2)."""
     from agl_common.store import Store
@@ -157,7 +170,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
     """The :class:`TrainConfig` in ``path`` (YAML, or a run's ``config.json``) with ``overrides`` applied;
     a file that does not validate: its error and exit 2; ``uses_redis``: its Redis URL will be used (then one whose
     password shows as ``***``, as a run's config.json holds it, is refused: give --redis)."""
-    from agl_common.settings import redacted_url, redacted_urls
+    from agl_common.settings import hides_secret, redacted_url
     from pydantic import ValidationError
 
     from .config import TrainConfig, describe_error
@@ -168,9 +181,8 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
         if uses_redis and "***" in cfg.redis_url and redacted_url(cfg.redis_url) == cfg.redis_url:  # password "***"
             raise ValueError("its Redis URL has the password hidden (***, as a run's config.json shows it): give "
                              "the URL with --redis or AGL_REDIS_URL")
-        for field in ("gateway_url", "engine_url"):  # (config.json hides their secrets too: a run would use ***)
-            value = getattr(cfg, field) or ""
-            if uses_redis and "***" in value and redacted_urls(value) == value:
+        for field, value in cfg.model_dump(mode="json").items():  # config.json hides every URL's secret: a run
+            if field != "redis_url" and uses_redis and isinstance(value, str) and hides_secret(value):  # would use ***
                 raise ValueError(f"its {field} has a secret hidden (***, as a run's config.json shows it): give it "
                                  f"in a config of your own ({field}: in YAML)")
         return cfg
@@ -359,7 +371,7 @@ def rollouts_create(
     except ValueError as exc:
         err.print(f"[red]invalid --input[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
-    base = rollout_id or uuid.uuid4().hex[:12]
+    base = uuid.uuid4().hex[:12] if rollout_id is None else rollout_id  # (an empty --id is refused, not replaced)
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
     try:
         for rid in ids:
@@ -368,7 +380,7 @@ def rollouts_create(
         err.print(f"[red]invalid --id[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
     try:
-        check_rollout_id(group or base, "group id")
+        check_rollout_id(base if group is None else group, "group id")
     except ValueError as exc:
         err.print(f"[red]invalid --group[/red]: {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -379,7 +391,8 @@ def rollouts_create(
         store = _store(redis, prefix)
         try:
             for rid in ids:
-                await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=group or base))
+                await store.create_rollout(Rollout(rollout_id=rid, input=inp,
+                                                   group_id=base if group is None else group))
                 created.append(rid)
         finally:
             await store.close()
@@ -408,7 +421,7 @@ def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest th
         try:
             ids = await store.rollout_ids(run)
             shown = ids[-limit:] if limit > 0 else ids
-            return await store.get_rollouts(shown), len(ids)
+            return await store.get_rollouts(shown, skip_missing=True), len(ids)
         finally:
             await store.close()
 
@@ -430,7 +443,8 @@ def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest th
 
 
 @rollouts_app.command("show")
-def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json"),
+def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
+                  as_json: bool = typer.Option(False, "--json"),
                   config: Path = typer.Option(None, "--config", exists=True, dir_okay=False,
                                               help="the run's settings for its rows (its runs/.../config.json, or a "
                                               "train YAML); default: TrainConfig's defaults"),
@@ -507,7 +521,7 @@ def rollouts_show(rollout_id: str, as_json: bool = typer.Option(False, "--json")
 
 
 @rollouts_app.command("export")
-def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout"),
+def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout", callback=_a_rollout_id),
                     run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
                     status: str = typer.Option(None, "--status", help="only rollouts in this state: queuing, running, "
                                                "succeeded, failed"),
@@ -525,6 +539,9 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
     import math
 
+    if run == "":  # (every id starts with "": an empty --run filtered nothing, silently)
+        err.print("[red]invalid --run ''[/red]: a run id (or an id prefix), not empty")
+        raise typer.Exit(2)
     if min_reward is not None and not math.isfinite(min_reward):
         err.print(f"[red]invalid --min-reward[/red]: a finite number, got {min_reward!r}")
         raise typer.Exit(2)
@@ -568,6 +585,13 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
 
     try:
         records = asyncio.run(main())
+        if not stats.rollouts:  # an empty data set is valid, but a filter that matched nothing must not look like one
+            err.print("no rollout matched " + (", ".join(f"{k} {escape(repr(v)[:80])}" for k, v in (
+                ("--rollout", rollout), ("--run", run), ("--status", status), ("--min-reward", min_reward))
+                if v is not None) or "(none recorded under this --prefix)"))
+            if out is not None:  # a file there stays as it was: an empty export must not look like a written one
+                err.print(f"no record matched the filters: no file written ({escape(str(out))} left as it was)")
+                raise typer.Exit(1)
         try:
             write(records, shape, fmt, out, sys.stdout.buffer)
             sys.stdout.flush()
@@ -581,7 +605,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     except ExportError as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
-    if out is not None or stats.skipped_calls:
+    if stats.rollouts and (out is not None or stats.skipped_calls):
         skipped = ", ".join(f"{n} {k}" for k, n in stats.skipped_calls.items())
         err.print(f"{stats.records} {shape} record(s) from {stats.rollouts} rollout(s)"
                   + (f" written to {out}" if out else "") + (f"; calls left out: {skipped}" if skipped else ""))
@@ -701,10 +725,11 @@ def main() -> None:
         import os
 
         os.environ.setdefault("TQDM_DISABLE", "1")
+    from agl_common.store import redis_error_line
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
     try:
         app()
     except (RedisConnectionError, RedisTimeoutError) as exc:  # one line, not a traceback
-        err.print(f"[red]Redis did not answer[/red]: {escape(str(exc))} (is it running? --redis / AGL_REDIS_URL)")
+        err.print(f"[red]error[/red]: {escape(redis_error_line(exc))}", soft_wrap=True)
         sys.exit(1)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from agl_common.schemas import Policy, check_role_name, check_served_name
 from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_gateway_url, check_prefix,
-                                 command_argv, engine_base_urls, redacted_url, redacted_urls)
+                                 command_argv, engine_base_urls, redacted_text, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -293,8 +293,9 @@ class TrainConfig(_NoBooleanNumbers):
     def shown(self) -> dict:
         """The config as JSON-able data for what is written or shown (a run's ``config.json``, trackers, the
         dashboard): the secrets of the Redis, engine and gateway URLs (a password in the user part, a secret
-        query parameter: :func:`~agl_common.settings.redacted_url`) replaced by ``***``."""
-        data = self.model_dump(mode="json")
+        query parameter: :func:`~agl_common.settings.redacted_url`), and of any URL inside another string field
+        (:func:`~agl_common.settings.redacted_text`: ``command: ... --base http://u:pw@h``), replaced by ``***``."""
+        data = _redacted_strings(self.model_dump(mode="json"))  # a URL inside another field (``command``)
         data["redis_url"] = redacted_url(self.redis_url)
         if self.engine_url:
             data["engine_url"] = redacted_urls(self.engine_url)
@@ -389,3 +390,14 @@ class TrainConfig(_NoBooleanNumbers):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         return cls.model_validate(data)
+
+
+def _redacted_strings(data: Any) -> Any:
+    """``data`` (JSON-able) with every string :func:`~agl_common.settings.redacted_text`."""
+    if isinstance(data, str):
+        return redacted_text(data)
+    if isinstance(data, dict):
+        return {k: _redacted_strings(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_redacted_strings(v) for v in data]
+    return data

@@ -38,6 +38,7 @@ import orjson
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus, first_choice
 from agl_common.store import Store
 
+from .algorithm.evalstats import outcome_reward
 from .config import TrainConfig
 
 Shape = Literal["calls", "rows", "messages"]
@@ -52,8 +53,10 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportFilter:
-    """Which rollouts to export. ``run``: id prefix (a run id); ``status``: one of the rollout states;
-    ``min_reward``: keep rollouts whose reward is ``>=`` this (rollouts without a reward are left out)."""
+    """Which rollouts to export: every condition given holds. ``rollout``: this id; ``run``: id prefix (a run id;
+    with ``rollout``, that rollout only if its id starts with it); ``status``: one of the rollout states;
+    ``min_reward``: keep rollouts whose outcome reward (:func:`~agl_trainer.algorithm.evalstats.outcome_reward`:
+    succeeded ones only) is ``>=`` this."""
 
     rollout: str | None = None
     run: str | None = None
@@ -61,9 +64,14 @@ class ExportFilter:
     min_reward: float | None = None
 
     def keep(self, r: Rollout) -> bool:
+        if self.run is not None and not r.rollout_id.startswith(self.run):
+            return False
         if self.status is not None and r.status != self.status:
             return False
-        return self.min_reward is None or (r.reward is not None and r.reward >= self.min_reward)
+        if self.min_reward is None:
+            return True
+        reward = outcome_reward(r)  # a reward posted by a rollout that then failed is not its outcome
+        return reward is not None and reward >= self.min_reward
 
 
 @dataclass
@@ -78,7 +86,7 @@ async def select_rollouts(store: Store, flt: ExportFilter) -> list[Rollout]:
     if flt.rollout is not None:
         candidates = [await store.get_rollout(flt.rollout)]
     else:
-        candidates = await store.get_rollouts(await store.rollout_ids(flt.run))
+        candidates = await store.get_rollouts(await store.rollout_ids(flt.run), skip_missing=True)
     return [r for r in candidates if flt.keep(r)]
 
 
@@ -184,12 +192,12 @@ async def group_members(store: Store, rollouts: list[Rollout]) -> list[Rollout]:
     everyone: list[Rollout] | None = None
     for (gid, given), info in zip(by_group.items(), infos):
         if info is not None:
-            out.update((r.rollout_id, r) for r in await store.get_rollouts(info.rollout_ids))
+            out.update((r.rollout_id, r) for r in await store.get_rollouts(info.rollout_ids, skip_missing=True))
         elif given[0].group_id is None:
             out.update((r.rollout_id, r) for r in given)
         else:
             if everyone is None:  # read once, only for unregistered groups
-                everyone = await store.get_rollouts(await store.rollout_ids())
+                everyone = await store.get_rollouts(await store.rollout_ids(), skip_missing=True)
             out.update((r.rollout_id, r) for r in everyone if r.group_id == gid)
     return list(out.values())
 

@@ -23,6 +23,8 @@ from urllib.parse import urlparse
 
 import httpx
 import redis
+from agl_common.settings import redacted_url
+from agl_common.store import StoreRefused
 
 
 def _ephemeral_low() -> int:
@@ -72,8 +74,13 @@ def _die_with_parent() -> None:
 
 
 def redis_answers(url: str) -> bool:
+    """Whether a Redis answers at ``url``. Raises :class:`~agl_common.store.StoreRefused` where one answers but
+    refuses the URL's settings (a database it does not have, a password it does not take): starting another
+    would not help."""
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.ResponseError, redis.AuthenticationError) as exc:
+        raise StoreRefused(f"the Redis server at {redacted_url(url)} refused: {exc}") from None
     except redis.RedisError:
         return False
 

@@ -27,7 +27,8 @@ def _task_module(task_file: str | Path):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any error of the user's file, reported as theirs
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error of the user's file (a sys.exit() too: it
+        # ended the trainer with status 0 and not a word), reported as theirs
         raise TaskError(f"task file {path} failed to import: {type(exc).__name__}: {exc}") from exc
     return module
 
@@ -42,11 +43,30 @@ def _task_function(module, task_file: str | Path, fn: str) -> Callable:
 
 
 def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
-    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (dicts).
+    """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (JSON objects: each becomes a
+    rollout's input).
 
-    Raises :class:`TaskError` if the file is missing or fails to import, or has no function ``fn``.
+    Raises :class:`TaskError` if the file is missing or fails to import, has no function ``fn``, if ``fn()``
+    raises (or calls ``sys.exit``), or if an item is not a dict that JSON can hold.
     """
-    return list(_task_function(_task_module(task_file), task_file, fn)())
+    from agl_common.schemas import Rollout, long_integer
+    from pydantic_core import PydanticSerializationError
+
+    f = _task_function(_task_module(task_file), task_file, fn)
+    try:
+        tasks = list(f())
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function, reported as theirs
+        raise TaskError(f"task file {task_file}: {fn}() failed: {type(exc).__name__}: {exc}") from exc
+    for i, task in enumerate(tasks):
+        try:
+            if not isinstance(task, dict):
+                raise TypeError(f"a rollout input is a dict, got {type(task).__name__}")
+            # as a rollout stores it (pydantic: a Decimal, a Path, a set become JSON), then as Redis reads it back
+            if (big := long_integer(Rollout(rollout_id="check", input=task).model_dump_json())) is not None:
+                raise TypeError(f"the integer {big} is beyond 64 bits (it would be stored bent)")
+        except (TypeError, ValueError, PydanticSerializationError) as exc:
+            raise TaskError(f"task file {task_file}: {fn}() item {i} is not a JSON object: {exc}") from None
+    return tasks
 
 
 def default_is_correct(task: dict, reward: float | None) -> bool:
@@ -67,18 +87,22 @@ def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Cal
 def check_task(cfg: TrainConfig, train: bool = True) -> None:
     """Before any service starts: the task file imports and has ``cfg.train_fn`` (if ``train``; an evaluation
     needs none), ``cfg.heldout_fn`` and ``cfg.correct_fn`` (unless that is the default ``is_correct`` and
-    absent). Raises :class:`TaskError`."""
-    module = _task_module(cfg.task_file)
-    for fn in ([cfg.train_fn] if train else []) + [cfg.heldout_fn]:
-        _task_function(module, cfg.task_file, fn)
+    absent); the input functions are called and their inputs checked (:func:`load_tasks`: broken data was found
+    only once the engine had started), the training inputs (or, for an evaluation, the held-out ones) not
+    empty. Raises :class:`TaskError`."""
+    if train and not load_tasks(cfg.task_file, cfg.train_fn):
+        raise TaskError(f"task file {cfg.task_file}: {cfg.train_fn}() returned no inputs")
+    if not load_tasks(cfg.task_file, cfg.heldout_fn) and not train:
+        raise TaskError(f"task file {cfg.task_file}: {cfg.heldout_fn}() returned no inputs (nothing to evaluate)")
     load_is_correct(cfg.task_file, cfg.correct_fn)
 
 
 def check_controller_imports(cfg: TrainConfig) -> None:
     """Before any service starts: the modules the controller will import, ``cfg.reward_fn``'s and each of
     ``cfg.preload``, can be found by this interpreter from this directory (the controller is started with this
-    interpreter, here; with the verl backend it runs in verl's own environment, so this check is not made).
-    Raises :class:`TaskError` naming the field and the module."""
+    interpreter, here; with the verl backend it runs in verl's own environment, so this check is not made), and
+    ``cfg.command`` starts as the controller would start it (:func:`agl_controller.spawn.check_command`).
+    Raises :class:`TaskError` naming the field and the module or the command's fault."""
     import importlib.util
     import os
     import sys
@@ -96,3 +120,14 @@ def check_controller_imports(cfg: TrainConfig) -> None:
                 raise TaskError(f"{field_name}: no module named {module!r} here (the controller imports it)")
     finally:
         sys.path.remove(os.getcwd())
+    # the command as the controller will start it (its `python` is this interpreter): a misspelt program, or one
+    # --preload cannot fork (`bash run.sh`, `python -u`), failed only once vLLM had started
+    from agl_common.settings import command_argv
+    from agl_controller.spawn import LaunchError, check_command
+
+    from .stack import harness_command
+
+    try:
+        check_command(command_argv(harness_command(cfg.command, sys.executable)), cfg.preload, found=True)
+    except (LaunchError, ValueError) as exc:
+        raise TaskError(f"command: {exc}") from None

@@ -41,11 +41,17 @@ def accuracy(rollouts: list[Rollout], is_correct: IsCorrect) -> float:
     return sum(correct(r, is_correct) for r in rollouts) / len(rollouts) if rollouts else 0.0
 
 
+def outcome_reward(r: Rollout) -> float | None:
+    """The reward that is a rollout's outcome: its reward if it succeeded, else ``None`` (an infrastructure
+    failure is never a reward of 0, and a reward posted by a rollout that then failed is not its outcome). The one
+    definition for the mean reward, training and ``rollouts export --min-reward``."""
+    return r.reward if r.status == RolloutStatus.succeeded else None
+
+
 def reward_mean(rollouts: list[Rollout]) -> float:
-    """The one definition of the mean reward (evaluations and training steps): over the rollouts that
-    succeeded (what training sees: an infrastructure failure is never a reward of 0, and a reward posted by
-    a rollout that then failed is not its outcome); 0.0 for none."""
-    got = [r.reward for r in rollouts if r.status == RolloutStatus.succeeded and r.reward is not None]
+    """The one definition of the mean reward (evaluations and training steps): the mean
+    :func:`outcome_reward` over the rollouts that have one; 0.0 for none."""
+    got = [reward for r in rollouts if (reward := outcome_reward(r)) is not None]
     return sum(got) / len(got) if got else 0.0
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl_common.settings import redacted_url
+from agl_common.settings import redacted_text
 
 #: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
 RUNNING_WINDOW_S = 300
@@ -138,7 +138,7 @@ _SECRET_KEY = re.compile(r"(?i)(password|passwd|secret|token|api_?key|^key$|_key
 
 def shown_config(obj: Any, key: str = "") -> Any:
     """A run's ``config.json`` as the dashboard shows it: values under a secret-looking key replaced by ``***``,
-    and a password inside any URL string hidden (:func:`agl_common.settings.redacted_url`). The trainer writes
+    and a password inside any URL in a string hidden (:func:`agl_common.settings.redacted_text`). The trainer writes
     its config redacted already; a hand-written or copied one is not shown in the clear either."""
     if isinstance(obj, dict):
         return {k: shown_config(v, str(k)) for k, v in obj.items()}
@@ -147,8 +147,8 @@ def shown_config(obj: Any, key: str = "") -> Any:
     if isinstance(obj, str):
         if obj and _SECRET_KEY.search(key):
             return "***"
-        if "://" in obj:
-            return ",".join(redacted_url(u) if "://" in u else u for u in obj.split(","))
+        if "://" in obj:  # each URL inside the text (a harness command's --base), the rest as written
+            return redacted_text(obj)
     return obj
 
 
@@ -251,7 +251,7 @@ def load_run(path: Path) -> Run:
     """Read one run directory (missing files give empty fields, never an error)."""
     metrics = path / "metrics.jsonl"
     lines = read_jsonl(metrics)
-    mtimes = [p.stat().st_mtime for p in (metrics, path / "config.json", path / "summary.json") if p.exists()]
+    mtimes = [t for p in (metrics, path / "config.json", path / "summary.json") if (t := _mtime(p)) is not None]
     return Run(run_id=path.name, path=path, config=shown_config(_read_json(path / "config.json") or {}),
                summary=_read_json(path / "summary.json"),
                steps=[m for m in lines if "step" in m and "eval" not in m and "when" not in m],
@@ -261,15 +261,27 @@ def load_run(path: Path) -> Run:
 def find_runs(runs_dir: Path) -> list[Path]:
     """Run directories under ``runs_dir`` (it, its children and grandchildren holding ``config.json`` or
     ``metrics.jsonl``), newest first. A missing ``runs_dir`` has none; a directory whose name is not text (bytes
-    that are not UTF-8: no URL or page can name it) is left out."""
+    that are not UTF-8: no URL or page can name it), or whose files this process may not read, is left out."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
     candidates = [runs_dir, *runs_dir.glob("*/"), *runs_dir.glob("*/*/")]
-    found = [p for p in candidates if _is_text(p.name) and p.is_dir()
-             and ((p / "config.json").exists() or (p / "metrics.jsonl").exists())]
-    return sorted(found, key=lambda p: max((q.stat().st_mtime for q in (p / "metrics.jsonl", p / "config.json")
-                                            if q.exists()), default=0.0), reverse=True)
+    found = {}
+    for p in candidates:
+        times = [t for q in (p / "metrics.jsonl", p / "config.json") if (t := _mtime(q)) is not None]
+        if _is_text(p.name) and times:
+            found[p] = max(times)
+    return sorted(found, key=found.__getitem__, reverse=True)
+
+
+def _mtime(path: Path) -> float | None:
+    """The modification time of ``path`` (seconds since the epoch), None if it cannot be read: missing, or in a
+    folder this process may not enter or list (its ``stat`` raised ``PermissionError``: a 500 for the whole
+    dashboard once)."""
+    try:
+        return path.stat().st_mtime if os.access(path, os.R_OK) else None
+    except OSError:
+        return None
 
 
 def _is_text(name: str) -> bool:

@@ -144,12 +144,12 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
     async def group_rollouts(run: Run, gid: str) -> list:
         info = (await store.groups([gid]))[0]
         if info is not None:  # registered by create_rollouts
-            return await store.get_rollouts(info.rollout_ids)
+            return await store.get_rollouts(info.rollout_ids, skip_missing=True)
         ids = await store.rollout_ids(gid)  # rollouts created without a group record
-        rollouts = [r for r in await store.get_rollouts(ids) if r.group_id == gid]
+        rollouts = [r for r in await store.get_rollouts(ids, skip_missing=True) if r.group_id == gid]
         if not rollouts:  # ids not derived from the group id: scan the run's rollouts
             ids = await store.rollout_ids(run.run_id)
-            rollouts = [r for r in await store.get_rollouts(ids) if r.group_id == gid]
+            rollouts = [r for r in await store.get_rollouts(ids, skip_missing=True) if r.group_id == gid]
         return rollouts
 
     async def group_summary(run: Run, gid: str) -> dict[str, Any]:
