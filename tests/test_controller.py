@@ -290,20 +290,26 @@ async def test_an_env_map_that_cannot_be_an_environment_fails_the_run_and_never_
     assert json.loads(env_out.read_text())["OPENAI_BASE_URL"].startswith(gateway_url)
 
 
-def test_a_hung_reward_function_holds_no_exit():
+def test_a_hung_reward_function_holds_no_exit(monkeypatch):
     """It ran through asyncio.to_thread: asyncio.run (the controller's main) joins that pool at exit, so a reward
-    function that never returned made the controller ignore SIGTERM for good."""
+    function that never returned made the controller ignore SIGTERM for good. Now its worker process is killed."""
     import time
 
-    from agl_controller.base import RewardFunctionError, in_daemon_thread
+    from agl_controller.reward import RewardFunctionError, RewardPool
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    pool = RewardPool("rewards:hostile")
 
     async def main():
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(in_daemon_thread(lambda: time.sleep(3600)), 0.2)
+            await pool.score({"kind": "hang"}, "", 0.5)
         with pytest.raises(RewardFunctionError, match="GeneratorExit"):
-            await in_daemon_thread(lambda: (_ for _ in ()).throw(GeneratorExit))
-        assert await in_daemon_thread(lambda: 0.5) == 0.5
+            await pool.score({"kind": "generator_exit"}, "", 30)
+        assert await pool.score({"kind": "ok"}, "", 30) == 0.5
 
     t0 = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - t0 < 10
+    pool.close()
+    assert time.monotonic() - t0 < 60
+
+

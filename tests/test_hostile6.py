@@ -173,7 +173,8 @@ async def test_a_call_whose_rollout_ends_while_it_is_in_flight_is_refused_not_re
 async def test_a_reward_function_that_changes_directory_moves_no_later_run(store, tmp_path, monkeypatch, redis_url,
                                                                           prefix):
     """A judge's ``os.chdir("/")`` made every later run fail ``exit_code:2`` (``can't open file '/harness.py'``)
-    with a relative command and log dir: the agent's failure, for the controller's change."""
+    with a relative command and log dir: the agent's failure, for the controller's change. (Round 15: the judge
+    runs in a process of its own, so it moves that process only.)"""
     import shutil
     import sys
     from pathlib import Path
@@ -196,7 +197,7 @@ async def test_a_reward_function_that_changes_directory_moves_no_later_run(store
             await store.create_rollout(Rollout(rollout_id=rid, input={"calls": 1, "kind": "chdir"}))
             await runner.run_one(await store.pop_queued())
             out[rid] = await store.get_rollout(rid)
-            assert Path.cwd() == Path("/")  # the judge moved the whole process
+            assert Path.cwd() == tmp_path  # the judge moved its own process, not the controller
     for rid in ("first", "second"):
         assert (out[rid].status, out[rid].reward) == (RolloutStatus.succeeded, 0.5), (rid, out[rid].failure)
     assert (tmp_path / "logs" / "second.0.log").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import orjson
 
+from test_export import RUN, recorded  # noqa: F401 (fixture)
 from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
 from test_hostile6 import _last, _one
 
@@ -122,13 +123,15 @@ def test_train_config_refuses_a_command_with_no_program():
             TrainConfig.model_validate({"command": command})
 
 
-def test_export_to_a_file_it_cannot_write_is_one_line(redis_url):
+def test_export_to_a_file_it_cannot_write_is_one_line(recorded):  # noqa: F811
+    """Something to write (a recorded run), a place that takes no file: one line, exit 1. Round 14 made an
+    export that matches nothing write no file, so this test needs records to reach the write."""
     import sys
 
-    env = {"AGL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    env = {"PATH": "/usr/bin:/bin"}
     for out, fmt in (("/proc/x.jsonl", "jsonl"), ("/sys/x.jsonl", "jsonl")):
-        stderr = _usage_error([sys.executable, "-m", "agl_trainer", "rollouts", "export", "--prefix",
-                               "test-export-none:", "--out", out, "--format", fmt], env, code=1)
+        stderr = _usage_error([sys.executable, "-m", "agl_trainer", "rollouts", "export", *recorded,
+                               "--run", RUN, "--out", out, "--format", fmt], env, code=1)
         assert "cannot write" in stderr, stderr
 
 

@@ -22,6 +22,10 @@ def hostile(inp: dict, output: str):
         raise GeneratorExit
     if kind == "hang":
         time.sleep(3600)
+    if kind == "os_exit":  # ends its process at once, no handler runs
+        import os
+
+        os._exit(3)
     if kind == "chdir":  # a judge that runs tests in another directory and does not come back
         import os
 
@@ -35,3 +39,12 @@ def hostile(inp: dict, output: str):
 def zero(inp: dict, output: str) -> float:
     """A judge that gives nothing (the harness may post more for itself)."""
     return 0.0
+
+
+def gil(inp: dict, output: str) -> float:
+    """A judge that holds the GIL for ``inp["hold_s"]`` seconds (libc ``sleep`` called through ``ctypes.PyDLL``,
+    which keeps the GIL: as a backtracking regex or a long C loop does), then gives 1.0."""
+    import ctypes
+
+    ctypes.PyDLL(None).sleep(int(inp.get("hold_s", 3)))
+    return 1.0

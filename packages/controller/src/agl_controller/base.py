@@ -23,55 +23,23 @@ failure is never turned into a reward of 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib
 import logging
 import re
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
-from agl_common.aio import wait_until, within
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_reward, check_rollout_id
+from agl_common.aio import wait_until
+from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_rollout_id
 from agl_common.store import RolloutNotFound, Store
+
+from .reward import RewardFunctionError, RewardPool, load_reward_fn  # noqa: F401 (re-exported)
 
 log = logging.getLogger("agl.controller")
 
-RewardFn = Callable[[dict[str, Any], str], float]
-
 #: Times a rollout may be handed back by stopping controllers beyond its ``max_attempts`` (see ``hand_back``).
 HAND_BACKS_MAX = 8
-
-
-class RewardFunctionError(RuntimeError):
-    """The ``--reward-fn`` raised (whatever it raised, ``SystemExit`` and ``GeneratorExit`` included)."""
-
-
-def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """``fn()`` in a daemon thread of its own, as a future of the running loop: its result, or
-    :class:`RewardFunctionError` for anything it raised. A call that never returns holds no executor and no
-    interpreter exit (``asyncio.to_thread``'s pool is joined at shutdown, so a hung reward function made the
-    controller ignore SIGTERM); await it with a timeout."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
-
-    def run() -> None:
-        try:
-            outcome = (True, fn())
-        except BaseException as exc:  # noqa: BLE001 - reported, never raised in the loop as it is
-            outcome = (False, RewardFunctionError(f"{type(exc).__name__}: {exc}"[:300]))
-        with contextlib.suppress(RuntimeError):  # the loop is gone (the controller stopped meanwhile)
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=run, name="reward-fn", daemon=True).start()
-    return future
 
 
 #: Failures retried by default (when ``max_attempts > 1``): infrastructure, not the agent's own result.
@@ -119,27 +87,6 @@ class ControllerIdLive(RuntimeError):
 
 class Stale(Exception):
     """The rollout moved on (another attempt, or finished): this runner's result is dropped."""
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``.
-
-    Raises ``ValueError`` (one line, the cause named) if ``spec`` is not ``module:function``, the module
-    cannot be imported, or it has no callable of that name."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"reward function must be 'module:function', got {spec!r}")
-    try:
-        mod = importlib.import_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, a SyntaxError, a sys.exit(), whatever
-        raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
-    try:
-        fn = getattr(mod, name)
-    except AttributeError:
-        raise ValueError(f"reward function {spec!r}: module {module!r} has no {name!r}") from None
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
-    return fn
 
 
 def final_output(calls: list[CallRecord]) -> str:
@@ -196,7 +143,7 @@ class Runner:
         if not lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.store = store
-        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None
+        self.reward_fn = RewardPool(reward_fn) if reward_fn else None
         self.reward_fn_always = reward_fn_always
         self.max_attempts = max_attempts
         self.retry_on = check_retry_on(retry_on)
@@ -204,6 +151,11 @@ class Runner:
             else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
         self.reward_timeout_s = reward_timeout_s
+
+    def close(self) -> None:
+        """Stop the reward function's idle worker processes (:class:`agl_controller.reward.RewardPool`)."""
+        if self.reward_fn is not None:
+            self.reward_fn.close()
 
     # ---------------------------------------------------------------- lease and recovery
     async def take_lease(self, stop: asyncio.Event | None = None) -> bool:
@@ -370,12 +322,11 @@ class Runner:
         if failure is None and self.reward_fn is not None and (rollout.reward is None or self.reward_fn_always):
             posted = rollout.reward
             try:
-                # in a worker thread: a slow judge or test run must not freeze the event loop (lease renewals,
-                # other runs' outcomes): a frozen loop let the lease expire and another controller end them
-                value = check_reward(await within(
-                    in_daemon_thread(lambda: self.reward_fn(rollout.input, final_output(calls))),
-                    self.reward_timeout_s))
-            except (RewardFunctionError, ValueError, TimeoutError) as exc:  # TimeoutError: past reward_timeout_s
+                # in a worker process: a slow judge, a test run or a GIL-holding regex must not freeze the event
+                # loop (lease renewals, other runs' outcomes): a frozen loop let the lease expire and another
+                # controller end them (agl_controller.reward)
+                value = await self.reward_fn.score(rollout.input, final_output(calls), self.reward_timeout_s)
+            except (RewardFunctionError, TimeoutError) as exc:  # TimeoutError: past reward_timeout_s
                 log.warning("reward function failed on %s: %r", rollout_id, exc)
                 failure = "reward_error"
             else:

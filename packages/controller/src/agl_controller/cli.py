@@ -256,6 +256,7 @@ def run(
         try:
             await runner.run_forever(stop)
         finally:
+            runner.close()
             await store.close()
 
     with one_line_errors():

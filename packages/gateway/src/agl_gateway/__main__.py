@@ -1,3 +1,4 @@
 from .cli import main
 
-main()
+if __name__ == "__main__":  # a multiprocessing *spawn* child imports this module as __mp_main__: no CLI there
+    main()

@@ -25,17 +25,25 @@ _431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/pla
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """:class:`HttpToolsProtocol` that refuses a request head over :data:`MAX_HEAD_BYTES` with a 431.
+    """:class:`HttpToolsProtocol` that refuses a request head over :data:`MAX_HEAD_BYTES` with a 431, and a
+    chunked body's trailer section over the same bound.
 
-    Two checks: the parsed size (request target + header names and values) once the head is complete,
-    exact like h11's; and the bytes received while a head is incomplete (a header still arriving), which
-    bounds what httptools buffers to the limit plus one read.
+    Two checks on the head: the parsed size (request target + header names and values) once the head is
+    complete, exact like h11's; and the bytes received while a head is incomplete (a header still arriving),
+    which bounds what httptools buffers to the limit plus one read. The trailer section (header lines after a
+    chunked body's last, empty chunk) had no bound at all: httptools buffers a trailer line until it ends and
+    uvicorn appended every trailer to the request's headers. The same two checks apply to it (bytes received
+    after a chunk header with no body yet, counted from the next read; parsed size), and trailers are then
+    dropped, as RFC 9110 section 6.5.1 lets a recipient do: nothing here reads them.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # between requests or inside a head: received bytes count
         self._head_bytes = 0  # bytes received since then
+        self._in_chunk_head = False  # after a chunk's header, before its body (a trailer section, if the last)
+        self._tail_bytes = 0  # bytes received since then, from the read after the chunk header
+        self._tail_size = 0  # parsed size of the trailer lines so far
         self._too_large = False
 
     def on_headers_complete(self) -> None:
@@ -46,9 +54,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise ValueError("request head too large")  # httptools: HttpParserCallbackError, then send_400
         super().on_headers_complete()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:
+            return super().on_header(name, value)
+        self._tail_size += len(name) + len(value) + 4  # a trailer: counted, then dropped
+        if self._tail_size > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise ValueError("trailer section too large")
+
+    def on_chunk_header(self) -> None:
+        self._in_chunk_head, self._tail_bytes = True, 0
+
+    def on_body(self, body: bytes) -> None:
+        self._in_chunk_head = False
+        super().on_body(body)
+
+    def on_chunk_complete(self) -> None:
+        self._in_chunk_head = False
+
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0
+        self._in_chunk_head, self._tail_bytes, self._tail_size = False, 0, 0
 
     def send_400_response(self, msg: str) -> None:
         if not self._too_large:
@@ -56,7 +83,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse()
 
     def _refuse(self) -> None:
-        self.logger.warning("request head over %d bytes: 431, connection closed", MAX_HEAD_BYTES)
+        self.logger.warning("request head or trailer over %d bytes: 431, connection closed", MAX_HEAD_BYTES)
         if self.cycle is None or self.cycle.response_complete:  # (else an answer is being written)
             self.transport.write(_431)
         self.transport.close()
@@ -64,8 +91,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._head_bytes += len(data)
+        elif self._in_chunk_head:
+            self._tail_bytes += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+        over = (self._in_head and self._head_bytes > MAX_HEAD_BYTES) or \
+            (self._in_chunk_head and self._tail_bytes > MAX_HEAD_BYTES)
+        if over and not self.transport.is_closing():
             self._refuse()
 
 

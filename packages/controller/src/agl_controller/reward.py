@@ -1,0 +1,216 @@
+"""The ``--reward-fn``: loaded once to check it, then run in worker processes of its own.
+
+A reward function is the user's code (a judge, a test run, a regex), and it ran in a thread of the controller.
+A thread shares the interpreter: a function that holds the GIL (a backtracking regex, a long C loop) froze the
+controller's event loop, so neither its timeout nor the lease renewals ran and another controller ended every
+running rollout as ``controller_lost``; ``os._exit`` in it ended the controller; ``os.chdir`` moved every later
+run. Here each call runs in a worker process (``multiprocessing``'s *spawn* start: a fresh interpreter with the
+controller's ``sys.path``, working directory and environment, which the controller's CLI has already cleared of
+the admin key and the Redis URL). A worker that answers goes back to a small idle pool and serves later calls (a
+module's state lives on per worker, not across workers); one past its timeout, or cancelled, is killed.
+
+The worker checks the value itself (:func:`agl_common.schemas.check_reward`), so only a float or a one-line error
+crosses the pipe, whatever the function returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import importlib
+import multiprocessing
+import signal
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from agl_common.aio import within
+
+RewardFn = Callable[[dict[str, Any], str], float]
+
+#: Seconds a new worker may take to start and import the reward function's module (not counted in the
+#: reward timeout: a cold start on a loaded machine must not fail a judge that answers in time).
+START_TIMEOUT_S = 120.0
+#: Idle workers kept for later calls; a worker beyond it is stopped when its call ends.
+IDLE_WORKERS = 4
+
+
+class RewardFunctionError(RuntimeError):
+    """The ``--reward-fn`` raised (whatever it raised, ``SystemExit`` and ``GeneratorExit`` included), returned
+    something that is not a reward, or its process ended or could not start."""
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import ``module:function``; the function takes ``(input: dict, final_output: str) -> float``.
+
+    Raises ``ValueError`` (one line, the cause named) if ``spec`` is not ``module:function``, the module
+    cannot be imported, or it has no callable of that name."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward function must be 'module:function', got {spec!r}")
+    try:
+        mod = importlib.import_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, a SyntaxError, a sys.exit(), whatever
+        raise ValueError(f"reward function {spec!r}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
+    try:
+        fn = getattr(mod, name)
+    except AttributeError:
+        raise ValueError(f"reward function {spec!r}: module {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _serve(conn, spec: str) -> None:
+    """A worker's main: load ``spec``, say so, then answer ``(input, output)`` requests with ``(True, reward)``
+    or ``(False, message)`` until the controller closes the pipe."""
+    from agl_common.schemas import check_reward
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the controller, which decides
+    try:
+        fn = load_reward_fn(spec)
+    except ValueError as exc:
+        conn.send((False, str(exc)))
+        return
+    conn.send((True, None))
+    while True:
+        try:
+            inp, output = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer = (True, check_reward(fn(inp, output)))
+        except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, GeneratorExit: reported
+            answer = (False, _one_line(exc))
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, EOFError, OSError):
+            return
+
+
+def _in_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """``fn()`` (blocking pipe I/O) in a daemon thread, as a future of the running loop; a thread left blocked
+    holds no executor and no interpreter exit (``asyncio.to_thread``'s pool is joined at shutdown)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, fn())
+        except BaseException as exc:  # noqa: BLE001 - EOFError above all: reported in the loop
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is gone (the controller stopped meanwhile)
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="reward-fn", daemon=True).start()
+    return future
+
+
+_live: weakref.WeakSet = weakref.WeakSet()  # every worker started in this process, for the exit below
+
+
+@atexit.register  # (registered after multiprocessing's own exit hook, so it runs first: that hook would join a
+def _kill_all() -> None:  # worker whose function ignores SIGTERM for ever)
+    for worker in list(_live):
+        worker.kill()
+
+
+class _Worker:
+    """One worker process and the controller's end of its pipe."""
+
+    def __init__(self, spec: str):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, spec), name="agl-reward-fn", daemon=True)
+        self.proc.start()
+        child.close()
+        _live.add(self)
+
+    def _exchange(self, request: Any) -> Any:
+        try:
+            if request is not None:
+                self.conn.send(request)
+            return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.proc.join(5)
+            raise RewardFunctionError(f"the reward function's process ended (exit code {self.proc.exitcode})") \
+                from None
+
+    async def ready(self) -> None:
+        ok, message = await within(_in_thread(lambda: self._exchange(None)), START_TIMEOUT_S)
+        if not ok:
+            raise RewardFunctionError(message)
+
+    async def call(self, inp: dict[str, Any], output: str) -> float:
+        ok, value = await _in_thread(lambda: self._exchange((inp, output)))
+        if not ok:
+            raise RewardFunctionError(value)
+        return value
+
+    def kill(self) -> None:
+        _live.discard(self)
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class RewardPool:
+    """Runs ``spec`` in worker processes: :meth:`score` one call at a time per worker, as many at once as callers.
+
+    Args:
+        spec: ``module:function`` (checked here, in the controller, once: ``ValueError`` if it does not load).
+        idle: idle workers kept for later calls.
+    """
+
+    def __init__(self, spec: str, idle: int = IDLE_WORKERS):
+        load_reward_fn(spec)
+        self.spec, self.idle = spec, idle
+        self._idle: list[_Worker] = []
+        weakref.finalize(self, _kill_idle, self._idle)  # a pool dropped without close() leaves no process
+
+    async def score(self, inp: dict[str, Any], output: str, timeout_s: float) -> float:
+        """The reward of one finished run: ``fn(inp, output)`` checked by :func:`check_reward`, as a float.
+
+        ``timeout_s`` bounds the call itself (a new worker's start-up has :data:`START_TIMEOUT_S` of its own).
+        Raises :class:`RewardFunctionError` (it raised, returned no reward, its process ended or did not start)
+        or ``TimeoutError`` (past ``timeout_s``: the worker is killed)."""
+        worker = None
+        while self._idle and worker is None:
+            worker = self._idle.pop()
+            if not worker.proc.is_alive():  # ended while idle (the OOM killer, a signal): not this call's failure
+                worker.kill()
+                worker = None
+        keep = False
+        try:
+            if worker is None:
+                try:
+                    worker = _Worker(self.spec)
+                except OSError as exc:  # no process could start (out of pids, out of memory)
+                    raise RewardFunctionError(f"cannot start the reward function's process: {exc}") from None
+                await worker.ready()
+            value = await within(worker.call(inp, output), timeout_s)
+            keep = len(self._idle) < self.idle
+            return value
+        finally:
+            if worker is not None:
+                self._idle.append(worker) if keep else worker.kill()
+
+    def close(self) -> None:
+        """Stop every idle worker (one in a call is killed when its call ends)."""
+        _kill_idle(self._idle)
+
+
+def _kill_idle(idle: list[_Worker]) -> None:
+    while idle:
+        idle.pop().kill()

@@ -1,0 +1,163 @@
+"""Round 15 of hostile input (docs/operations.md, "A fifteenth round"): each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+from agl_common.schemas import Rollout, RolloutStatus
+from agl_controller import LocalRunner
+from agl_gateway import GatewaySettings, create_app
+
+from fakes import Served, fake_upstream
+from test_controller import HARNESS
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def gateway_url(redis_url, prefix):
+    with Served(fake_upstream()) as up:
+        settings = GatewaySettings(upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y")
+        with Served(create_app(settings)) as gw:
+            yield gw.url
+
+
+async def run(store, gateway_url, tmp_path, inputs: dict[str, dict], **kw) -> dict[str, Rollout]:
+    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", **kw)
+    try:
+        for rid, inp in inputs.items():
+            await store.create_rollout(Rollout(rollout_id=rid, input=inp, env_map={"TASK_CALLS": "calls"}))
+        ids = [await store.pop_queued() for _ in inputs]
+        await asyncio.gather(*(runner.run_one(rid) for rid in ids))
+        return {rid: await store.get_rollout(rid) for rid in inputs}
+    finally:
+        runner.close()
+
+
+async def test_a_reward_function_that_holds_the_gil_freezes_nothing(store, gateway_url, tmp_path, monkeypatch):
+    """A judge holding the GIL (a backtracking regex, a C loop; here libc ``sleep`` through ``ctypes.PyDLL``) ran
+    in a thread of the controller: the event loop stood still for as long, so neither the reward timeout nor the
+    lease renewals ran (another controller then ended every running rollout as ``controller_lost``)."""
+    monkeypatch.syspath_prepend(str(HERE / "harnesses"))
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0.05)
+
+    tick = asyncio.create_task(ticker())
+    t0 = time.monotonic()
+    out = await run(store, gateway_url, tmp_path, {"held": {"calls": 1, "hold_s": 3},
+                                                   "for_ever": {"calls": 1, "hold_s": 3600}},
+                    reward_fn="rewards:gil", timeout_s=8)
+    done.set()
+    await tick
+    assert (out["held"].status, out["held"].reward) == (RolloutStatus.succeeded, 1.0), out["held"].failure
+    # held for good: its timeout ran, the worker was killed (it was: the loop answered within a minute)
+    assert (out["for_ever"].status, out["for_ever"].failure) == (RolloutStatus.failed, "reward_error")
+    assert time.monotonic() - t0 < 120
+    assert ticks >= 40, ticks  # ~3 s of judging or more at one tick per 50 ms; a frozen loop gives a handful
+
+
+async def test_a_reward_function_that_ends_its_process_fails_only_its_run(store, gateway_url, tmp_path,
+                                                                        monkeypatch):
+    """``os._exit`` in a reward function ended the whole controller (round 6 left it open: the function ran in a
+    thread of it), with every run it had in flight; now it ends its worker, and that run is a ``reward_error``."""
+    monkeypatch.syspath_prepend(str(HERE / "harnesses"))
+    pid = os.getpid()
+    out = await run(store, gateway_url, tmp_path, {"gone": {"calls": 1, "kind": "os_exit"},
+                                                   "ok": {"calls": 1, "kind": "ok"}},
+                    reward_fn="rewards:hostile", timeout_s=30)
+    assert os.getpid() == pid
+    assert (out["gone"].status, out["gone"].failure) == (RolloutStatus.failed, "reward_error")
+    assert (out["ok"].status, out["ok"].reward) == (RolloutStatus.succeeded, 0.5)
+
+
+async def test_reward_workers_report_why_and_are_reused(monkeypatch, tmp_path):
+    """The pool's own contract: the reason of a failure in one line, a worker that answered serves the next call,
+    one that died while idle is replaced (not this call's failure), close() leaves no process."""
+    from agl_controller.reward import RewardFunctionError, RewardPool
+
+    monkeypatch.syspath_prepend(str(HERE / "harnesses"))
+    pool = RewardPool("rewards:hostile", idle=1)
+    try:
+        with pytest.raises(RewardFunctionError, match=r"process ended \(exit code 3\)"):
+            await pool.score({"kind": "os_exit"}, "", 30)
+        with pytest.raises(RewardFunctionError, match="a reward must be a finite number"):
+            await pool.score({"kind": "nan"}, "", 30)
+        with pytest.raises(RewardFunctionError, match="SystemExit: 3"):
+            await pool.score({"kind": "exit"}, "", 30)
+        assert await pool.score({"kind": "ok"}, "", 30) == 0.5
+        (worker,) = pool._idle
+        assert await pool.score({"kind": "ok"}, "", 30) == 0.5
+        assert pool._idle == [worker]  # the same process served again
+        worker.proc.kill()
+        worker.proc.join(10)
+        assert await pool.score({"kind": "ok"}, "", 30) == 0.5  # a dead idle worker is replaced
+        (fresh,) = pool._idle
+        assert fresh is not worker
+    finally:
+        pool.close()
+    fresh.proc.join(10)
+    assert not fresh.proc.is_alive()
+    with pytest.raises(ValueError, match="cannot import"):
+        RewardPool("no_such_module_r15:score")
+
+
+def _raw_chunked(port: int, trailer: bytes, total: int) -> tuple[int, bytes]:
+    """Send a chunked POST whose last chunk is followed by a trailer line ``trailer`` repeated up to ``total``
+    bytes; return (bytes the server took before it closed, what it answered)."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sent = 0
+    try:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+                  b"X-Trailer: ")
+        while sent < total:
+            s.sendall(trailer)
+            sent += len(trailer)
+        s.sendall(b"\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    answer = b""
+    try:
+        while chunk := s.recv(65536):
+            answer += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    s.close()
+    return sent, answer
+
+
+def test_a_chunked_bodys_trailer_is_bounded_like_a_head():
+    """Round 15, A1: the request head was bounded (64 KiB, a 431) but the trailer section after a chunked body's
+    last chunk was not: an unauthenticated client could send one endless trailer line (httptools buffers it) or
+    endless trailer lines (uvicorn appended each to the request's headers) and grow the gateway's memory without
+    bound. Now the same bound applies; a small trailer still passes (and is dropped: nothing reads trailers)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from agl_gateway.server import MAX_HEAD_BYTES, BoundedHttpToolsProtocol
+
+    async def echo(request):
+        body = await request.body()
+        return JSONResponse({"body": body.decode(), "headers": sorted(k for k, _ in request.headers.items())})
+
+    served = Served(Starlette(routes=[Route("/echo", echo, methods=["POST"])]))
+    served.server.config.http = BoundedHttpToolsProtocol
+    with served:
+        sent, answer = _raw_chunked(served.port, b"v" * 4096, 4096)  # a small trailer: answered, then dropped
+        assert answer.startswith(b"HTTP/1.1 200") and b'"abc"' in answer and b"x-trailer" not in answer, answer
+        for piece in (b"v" * 16384, b"v" * 100 + b"\r\nX-More: "):  # one endless line; endless lines
+            sent, answer = _raw_chunked(served.port, piece, 64 * MAX_HEAD_BYTES)
+            assert sent < 64 * MAX_HEAD_BYTES, f"the server took {sent} bytes of trailer and answered {answer[:80]!r}"
