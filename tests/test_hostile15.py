@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -161,3 +162,66 @@ def test_a_chunked_bodys_trailer_is_bounded_like_a_head():
         for piece in (b"v" * 16384, b"v" * 100 + b"\r\nX-More: "):  # one endless line; endless lines
             sent, answer = _raw_chunked(served.port, piece, 64 * MAX_HEAD_BYTES)
             assert sent < 64 * MAX_HEAD_BYTES, f"the server took {sent} bytes of trailer and answered {answer[:80]!r}"
+
+
+SPY = r"""
+import json, os, subprocess, sys
+from agl_common.proc_secrets import argv_secrets, hide_from_proc
+assert hide_from_proc(argv_secrets(sys.argv[1:]))
+spied = subprocess.run(["sh", "-c", "cat /proc/$PPID/environ; cat /proc/$PPID/cmdline"], capture_output=True,
+                       check=True).stdout
+child = subprocess.run(["sh", "-c", "echo $AGL_KEY"], capture_output=True, text=True, check=True).stdout.strip()
+print(json.dumps({"spied": spied.decode("latin-1"), "child": child, "own": [os.environ["AGL_KEY"], sys.argv[1:]]}))
+"""
+
+
+def test_a_processes_key_and_redis_password_are_hidden_from_proc():
+    """Round 15, B1: ``os.environ.pop`` left the admin key in ``/proc/<pid>/environ`` (the initial environment
+    area: what a harness of the same user reads as ``/proc/$PPID/environ``), and ``--key K`` or a Redis URL with
+    its password stayed in ``/proc/<pid>/cmdline``. Both areas are rewritten; ``os.environ``, the C environment
+    and children keep every variable; a URL without a password stays readable."""
+    import subprocess
+    import sys
+
+    from agl_common.proc_secrets import argv_secrets
+
+    out = subprocess.run([sys.executable, "-c", SPY, "--key", "argv-s3cret", "--redis=redis://:pw-s3cret@h:1/0",
+                          "--gateway", "http://plain:1"], env={**os.environ, "AGL_KEY": "env-s3cret"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert "s3cret" not in seen["spied"] and "http://plain:1" in seen["spied"], seen["spied"][-300:]
+    assert seen["child"] == "env-s3cret"  # this process's own view, and its children's, are unchanged
+    assert seen["own"] == ["env-s3cret", ["--key", "argv-s3cret", "--redis=redis://:pw-s3cret@h:1/0", "--gateway",
+                                          "http://plain:1"]]
+    assert argv_secrets(["--key", "k", "--redis", "redis://h/0", "--redis", "redis://u:p@h/0", "--key="]) == \
+        ["k", "redis://u:p@h/0"]
+
+
+async def test_a_harness_reads_no_secret_of_its_controller_in_proc(store, redis_url, prefix, tmp_path):
+    """Round 15, B1, end to end: a harness started by ``agl-controller run --key K`` (and ``AGL_*`` variables
+    in the controller's environment) reads its parent's ``/proc`` entries and finds none of them."""
+    import subprocess
+    import sys
+
+    key = "admin-k3y-not-for-harnesses"
+    spy = (f"sh -c 'cat /proc/$PPID/environ > {tmp_path}/env; cat /proc/$PPID/cmdline > {tmp_path}/cmd'")
+    await store.create_rollout(Rollout(rollout_id="spy", input={}))
+    with Served(fake_upstream()) as up, Served(create_app(GatewaySettings(
+            upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key=key))) as gw:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_controller", "run", "--command", spy, "--gateway", gw.url,
+                                 "--prefix", prefix, "--key", key, "--log-dir", str(tmp_path / "logs")],
+                                env={**os.environ, "AGL_REDIS_URL": redis_url, "AGL_SPY_CANARY": "canary-v4lue"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for _ in range(600):
+                if (await store.get_rollout("spy")).status == RolloutStatus.failed:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            proc.terminate()
+            log = proc.communicate(timeout=30)[0]
+    env, cmd = (tmp_path / "env").read_bytes(), (tmp_path / "cmd").read_bytes()
+    assert key.encode() not in env + cmd and b"canary-v4lue" not in env and b"AGL_REDIS_URL" not in env, \
+        (env[:300], cmd, log[-2000:])
+    assert b"agl_controller" in cmd and b"--key\0***" in cmd  # the rest of the command line stays for ps

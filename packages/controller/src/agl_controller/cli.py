@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -326,4 +327,10 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
 
 
 def main() -> None:
+    """The ``agl-controller`` entry point: the admin key and a Redis password are hidden from ``/proc`` first
+    (:func:`agl_common.proc_secrets.hide_from_proc`; this process also made non-dumpable): every local harness
+    runs as this process's user."""
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+
+    hide_from_proc(argv_secrets(sys.argv[1:]), dumpable=False)  # a harness reads /proc/<pid>/{cmdline,environ}
     app()

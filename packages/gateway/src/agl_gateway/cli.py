@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import secrets
 
+import sys
+
 import typer
 
 from .settings import GatewaySettings
@@ -108,4 +110,9 @@ def run_server(app_, **config) -> None:
 
 
 def main() -> None:
+    """The ``agl-gateway`` entry point: its key and a Redis password are hidden from ``/proc`` first
+    (:func:`agl_common.proc_secrets.hide_from_proc`)."""
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+
+    hide_from_proc(argv_secrets(sys.argv[1:]))  # a harness reads /proc/<pid>/{cmdline,environ}
     app()

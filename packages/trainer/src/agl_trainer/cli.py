@@ -720,7 +720,12 @@ def gateway_status(redis: str = RedisOpt, prefix: str = PrefixOpt):
 def main() -> None:
     """The ``agl-trainer`` entry point. Not on a terminal (a pipe, a log), progress bars are switched off before
     anything imports tqdm (``TQDM_DISABLE`` is read at import): a bar rewritten in place prints as one huge line
-    there, and the run prints a line per event instead."""
+    there, and the run prints a line per event instead. The key and a Redis password are first hidden from
+    ``/proc`` (:func:`agl_common.proc_secrets.hide_from_proc`): a harness run by this trainer's controller runs
+    as the same user."""
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+
+    hide_from_proc(argv_secrets(sys.argv[1:]))  # a harness reads /proc/<pid>/{cmdline,environ}
     if not sys.stdout.isatty():
         import os
 
