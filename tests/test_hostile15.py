@@ -225,3 +225,28 @@ async def test_a_harness_reads_no_secret_of_its_controller_in_proc(store, redis_
     assert key.encode() not in env + cmd and b"canary-v4lue" not in env and b"AGL_REDIS_URL" not in env, \
         (env[:300], cmd, log[-2000:])
     assert b"agl_controller" in cmd and b"--key\0***" in cmd  # the rest of the command line stays for ps
+
+
+@pytest.mark.parametrize("depth", [200, 100_000])
+def test_deeply_nested_run_files_read_as_unreadable_not_a_500(tmp_path, depth):
+    """Round 15, B2: a run whose ``config.json``, ``summary.json`` or a ``metrics.jsonl`` line nests lists 100,000
+    deep was a ``RecursionError`` in the parser: the run list, the run page and ``/api/runs`` answered 500, for every
+    run beside it too. Such a file reads as unreadable (200 levels, past the new bound, passed before too)."""
+    import httpx
+
+    from agl_trainer.ui.server import create_app as ui_app
+
+    deep = "[" * depth + "]" * depth
+    good = tmp_path / "demo" / "1201-000000-good"
+    good.mkdir(parents=True)
+    (good / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    bad = tmp_path / "demo" / "1201-000000-deep"
+    bad.mkdir(parents=True)
+    (bad / "config.json").write_text('{"model": ' + deep + "}")
+    (bad / "summary.json").write_text('{"accuracy_after": ' + deep + "}")
+    (bad / "metrics.jsonl").write_text('{"step": 1, "groups": ' + deep + '}\n{"step": 2, "reward_mean": 0.5}\n')
+    with Served(ui_app("redis://127.0.0.1:9/0", "x:", tmp_path)) as ui:
+        for path in ("/", f"/runs/{bad.name}", f"/runs/{good.name}", "/api/runs", f"/api/runs/{bad.name}"):
+            resp = httpx.get(ui.url + path, timeout=60)
+            assert resp.status_code == 200, (path, resp.status_code, resp.text[-500:])
+        assert good.name in httpx.get(ui.url + "/", timeout=60).text
