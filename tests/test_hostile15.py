@@ -13,7 +13,9 @@ from agl_common.schemas import Rollout, RolloutStatus
 from agl_controller import LocalRunner
 from agl_gateway import GatewaySettings, create_app
 
+import httpx
 from fakes import Served, fake_upstream
+from test_gateway import upstream  # noqa: F401 (fixture)
 from test_controller import HARNESS
 
 HERE = Path(__file__).parent
@@ -250,3 +252,47 @@ def test_deeply_nested_run_files_read_as_unreadable_not_a_500(tmp_path, depth):
             resp = httpx.get(ui.url + path, timeout=60)
             assert resp.status_code == 200, (path, resp.status_code, resp.text[-500:])
         assert good.name in httpx.get(ui.url + "/", timeout=60).text
+
+
+async def test_a_stream_field_of_a_falsy_wrong_type_is_refused_as_in_a_complete_answer(store, redis_url, prefix,
+                                                                                          upstream):  # noqa: F811
+    """Round 15, A2: ``delta.get("content") or ""`` (and the same for ``delta``, ``tool_calls``, ``function``,
+    ``logprobs``, ``choices``, ``usage``) turned a falsy value of the wrong type (``0``, ``false``, ``[]`` where
+    an object belongs) into the default before the type check: the stream was recorded ``ok`` where a complete
+    answer with the same field is refused. Each is now an error record; null and absent fields still pass."""
+    import orjson
+    from fakes import chat_chunks
+    from test_gateway import gateway, make_rollout
+    from test_hostile6 import _last, _one
+
+    await make_rollout(store, "r1")
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 2])
+
+    def changed(where: str, value) -> list[bytes]:
+        first = orjson.loads(chunks[1][len(b"data: "):])
+        choice = first["choices"][0]
+        {"content": lambda: choice["delta"].__setitem__("content", value),
+         "delta": lambda: choice.__setitem__("delta", value),
+         "tool_calls": lambda: choice["delta"].__setitem__("tool_calls", value),
+         "function": lambda: choice["delta"].__setitem__("tool_calls", [{"index": 0, "function": value}]),
+         "logprobs": lambda: choice.__setitem__("logprobs", value),
+         "choices": lambda: first.__setitem__("choices", value),
+         "usage": lambda: first.__setitem__("usage", value)}[where]()
+        return [chunks[0], b"data: " + orjson.dumps(first) + b"\n\n", *chunks[2:]]
+
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for where, bad in (("content", 0), ("content", False), ("content", []), ("delta", 0), ("delta", []),
+                               ("tool_calls", 0), ("tool_calls", {}), ("function", 0), ("function", []),
+                               ("logprobs", 0), ("logprobs", []), ("choices", 0), ("choices", {}),
+                               ("usage", 0), ("usage", [])):
+                upstream.app.state.plan = ("stream", changed(where, bad), "done")
+                await _one(c, gw, {"stream": True, "logprobs": True})
+                rec = await _last(store)
+                assert rec.status == "error" and "is not" in rec.error, (where, bad, rec.status, rec.error)
+            for where in ("content", "tool_calls", "usage"):  # null: as absent
+                upstream.app.state.plan = ("stream", changed(where, None), "done")
+                await _one(c, gw, {"stream": True, "logprobs": True})
+                rec = await _last(store)
+                assert rec.status == "ok", (where, rec.error)
+    upstream.app.state.plan = None

@@ -167,6 +167,22 @@ class Captured:
 TEXT_FIELDS = ("refusal", "reasoning_content", "reasoning")
 
 
+_KINDS = {list: "a list", dict: "an object", str: "a string"}
+
+
+def _given(obj: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    """``obj[name]``, or an empty ``kind`` where it is absent or null. Raises :class:`MalformedUpstream` if it is
+    of another type: a falsy one too (``0``, ``false``, ``[]`` where an object belongs), which ``obj.get(name) or
+    default`` had replaced with the default before the type check, so a stream chunk of the wrong shape was
+    recorded ``ok`` where the same field in a complete answer was refused (round 15)."""
+    value = obj.get(name)
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise MalformedUpstream(f"{what} is not {_KINDS[kind]}")
+    return value
+
+
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
@@ -352,8 +368,8 @@ class StreamCapture:
         cap.prompt_token_ids = prompt or cap.prompt_token_ids
         for name in ("prompt_text", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params"):
             chunk.pop(name, None)
-        choices = chunk.get("choices") or []
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        choices = _given(chunk, "choices", list, "'choices'")
+        if not all(isinstance(c, dict) for c in choices):
             raise MalformedUpstream("'choices' is not a list of objects")
         n_ids = 0
         for ch in choices:
@@ -362,27 +378,21 @@ class StreamCapture:
                 raise MalformedUpstream(f"a stream chunk's choice has index {index!r:.20} (a live stream has one "
                                         "choice, index 0)")
             ids = int_list(ch.get("token_ids"), "token_ids")
-            delta = ch.get("delta") or {}
-            if not isinstance(delta, dict):
-                raise MalformedUpstream("'delta' is not an object")
+            delta = _given(ch, "delta", dict, "'delta'")
             if cap.finish_reason and (ids or delta.get("content") or delta.get("tool_calls")
                                       or any(delta.get(k) for k in TEXT_FIELDS) or ch.get("finish_reason")):
                 raise MalformedUpstream(f"tokens (or a second finish reason) after the stream's finish reason "
                                         f"{cap.finish_reason!r:.20}")
             n_ids += len(ids)
             cap.response_token_ids += ids
-            lp = ch.get("logprobs") or {}
-            if not isinstance(lp, dict):
-                raise MalformedUpstream("'logprobs' is not an object")
+            lp = _given(ch, "logprobs", dict, "'logprobs'")
             content = lp.get("content") or []
             got = token_logprobs(content, "logprobs.content")
             if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
                 self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
             else:
                 self.lps += got
-            piece = delta.get("content") or ""
-            if not isinstance(piece, str):
-                raise MalformedUpstream("'delta.content' is not a string")
+            piece = _given(delta, "content", str, "'delta.content'")
             self.text.append(piece)
             if delta.get("role", "assistant") not in ("assistant", None):
                 raise MalformedUpstream(f"'delta.role' is {delta['role']!r:.30}, not 'assistant'")
@@ -395,12 +405,12 @@ class StreamCapture:
                     self.other[name] = self.other.get(name, "") + value
                 else:
                     self.other[name] = value
-            for tc in delta.get("tool_calls") or []:
+            for tc in _given(delta, "tool_calls", list, "'delta.tool_calls'"):
                 if not isinstance(tc, dict):
                     raise MalformedUpstream("'delta.tool_calls' is not a list of objects")
                 if tc.get("type", "function") not in ("function", None):  # (check_choice reads the merged call)
                     raise MalformedUpstream(f"a tool call of type {tc.get('type')!r:.30} (only 'function' is one)")
-                index, fn = tc.get("index", 0), tc.get("function") or {}
+                index, fn = tc.get("index", 0), _given(tc, "function", dict, "'delta.tool_calls[].function'")
                 if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                     raise MalformedUpstream("'delta.tool_calls[].index' is not a non-negative integer")
                 if not isinstance(fn, dict) or not all(fn.get(k) is None or isinstance(fn[k], str)
@@ -418,9 +428,7 @@ class StreamCapture:
             ch.pop("token_ids", None)
             if not self.wants_logprobs:
                 ch["logprobs"] = None
-        if chunk.get("usage"):
-            if not isinstance(chunk["usage"], dict):
-                raise MalformedUpstream("'usage' is not an object")
+        if _given(chunk, "usage", dict, "'usage'"):
             cap.usage = chunk["usage"]
             if not self.wants_usage:  # the agent did not ask for it: the usage goes, the chunk's choices stay
                 chunk.pop("usage")
