@@ -296,3 +296,23 @@ async def test_a_stream_field_of_a_falsy_wrong_type_is_refused_as_in_a_complete_
                 rec = await _last(store)
                 assert rec.status == "ok", (where, rec.error)
     upstream.app.state.plan = None
+
+
+def test_a_config_nested_too_deep_is_one_line(tmp_path):
+    """Round 15, B4: a training config of 100,000 nested lists was a ``RecursionError`` traceback (the YAML
+    loader caught only ``YAMLError``). Now one line, exit 2; a config of nested aliases (a "billion laughs") is
+    still refused at once (the depth check walks each shared list once per depth, never its expansion)."""
+    import subprocess
+    import sys
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{k}: &{k} [{', '.join([f'*{p}'] * 9)}]\n" for p, k in zip("abcdefgh", "bcdefghi")))
+    for path, says in ((deep, "nested deeper than 64 levels"), (laughs, "Extra inputs are not permitted")):
+        for command in ("train", "eval"):
+            out = subprocess.run([sys.executable, "-m", "agl_trainer", command, str(path)], capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 2 and "Traceback" not in out.stderr and says in out.stderr, \
+                (command, path.name, out.returncode, out.stderr[-1500:])

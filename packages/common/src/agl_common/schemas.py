@@ -151,12 +151,20 @@ def parse_input(text: str) -> dict[str, Any]:
 
 
 def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True if the parsed JSON value ``obj`` nests containers more than ``limit`` levels deep."""
+    """True if the parsed value ``obj`` (a dict or list) nests containers more than ``limit`` levels deep.
+
+    Walked without recursion; a container reached again (a YAML alias: one list under many keys) is walked again
+    only at a greater depth than before, so a document of nested aliases that expands to billions of items (a
+    "billion laughs" config) costs at most ``limit`` visits per distinct container."""
+    deepest: dict[int, int] = {}  # id of a container -> the greatest depth it was walked at
     stack = [(obj, 1)]
     while stack:
         o, depth = stack.pop()
         if depth > limit:
             return True
+        if deepest.get(id(o), 0) >= depth:
+            continue
+        deepest[id(o)] = depth
         for v in (o.values() if isinstance(o, dict) else o):
             if isinstance(v, (dict, list)):
                 stack.append((v, depth + 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from agl_common.schemas import Policy, check_role_name, check_served_name
+from agl_common.schemas import MAX_JSON_DEPTH, Policy, check_role_name, check_served_name, too_deep
 from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_names, check_gateway_url, check_prefix,
                                  command_argv, engine_base_urls, redacted_text, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -377,8 +377,8 @@ class TrainConfig(_NoBooleanNumbers):
         """Load a YAML mapping of field names.
 
         Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not a regular
-        file of at most :data:`MAX_CONFIG_BYTES`, not YAML, a key given twice, not a mapping;
-        ``UnicodeDecodeError`` for a file that is not UTF-8).
+        file of at most :data:`MAX_CONFIG_BYTES`, not YAML, a key given twice, not a mapping, nested deeper than
+        :data:`~agl_common.schemas.MAX_JSON_DEPTH`; ``UnicodeDecodeError`` for a file that is not UTF-8).
         """
         path = Path(path)
         if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:  # (/dev/zero, a FIFO: read for ever)
@@ -387,8 +387,12 @@ class TrainConfig(_NoBooleanNumbers):
             data = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        except RecursionError:  # (round 15: 100,000 nested lists were a traceback)
+            raise ValueError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
+        if too_deep(data):  # (a few hundred levels parse, then fail later, in pydantic or in writing config.json)
+            raise ValueError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
         return cls.model_validate(data)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agl_common.schemas import MAX_JSON_DEPTH, too_deep
 from agl_common.settings import redacted_text
 
 #: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
@@ -82,34 +83,18 @@ def _bounded_int(text: str) -> int | None:
     return value if abs(value) <= MAX_INT else None
 
 
-#: Deepest nesting of lists and objects a run file's JSON may have (deeper: the line or file reads as unreadable).
-MAX_DEPTH = 64
-
-
-def _depth_ok(obj: Any) -> bool:
-    """Whether ``obj`` nests no deeper than :data:`MAX_DEPTH` (walked without recursion)."""
-    todo = [(obj, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            if depth > MAX_DEPTH:
-                return False
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return True
-
-
 def _loads(text: str) -> Any:
     """JSON with ``NaN``/``Infinity`` (written by older runs), floats past float range (``1e400``) and integers past
     :data:`MAX_INT` read as None, so every page and API answer is valid JSON and every number converts to a float.
-    Raises ``ValueError``, also for JSON nested deeper than :data:`MAX_DEPTH` (round 15: a ``config.json`` of
+    Raises ``ValueError``, also for JSON nested deeper than :data:`~agl_common.schemas.MAX_JSON_DEPTH` (round 15: a ``config.json`` of
     100,000 nested lists was a ``RecursionError`` in the parser or in :func:`shown_config`, and every page that
     lists runs answered 500)."""
     try:
         obj = json.loads(text, parse_constant=lambda _: None, parse_float=_finite, parse_int=_bounded_int)
     except RecursionError:
         raise ValueError("JSON nested too deep") from None
-    if not _depth_ok(obj):
-        raise ValueError(f"JSON nested deeper than {MAX_DEPTH}")
+    if isinstance(obj, (dict, list)) and too_deep(obj):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH}")
     return obj
 
 
