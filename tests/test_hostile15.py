@@ -316,3 +316,33 @@ def test_a_config_nested_too_deep_is_one_line(tmp_path):
                                  text=True, timeout=120)
             assert out.returncode == 2 and "Traceback" not in out.stderr and says in out.stderr, \
                 (command, path.name, out.returncode, out.stderr[-1500:])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "verl"])
+def test_resuming_a_directory_without_a_good_checkpoint_is_one_line_before_anything_starts(tmp_path, redis_url,
+                                                                                            prefix, backend):
+    """Round 15, B3: ``train --resume DIR`` of a directory with no checkpoint was a ``FileNotFoundError``
+    traceback (and the verl backend started a fresh run in it); a ``state.json`` that is not JSON, or nested
+    too deep, was a traceback; ``{}`` failed with a ``KeyError`` only after the engine had started. Each is now
+    one line, exit 2, before any service starts (the run would take minutes to get there)."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"out_dir: {tmp_path / 'runs'}\n")
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    env = {**os.environ, "AGL_REDIS_URL": redis_url, "AGL_PREFIX": prefix, "AGL_VERL_PYTHON": sys.executable}
+    states = {"none": None, "not json": "{", "empty": "{}", "deep": "[" * 100_000 + "]" * 100_000,
+              "wrong types": '{"step": "1", "version": 0, "metrics": {"groups": []}, "active": []}'}
+    for what, text in states.items():
+        state = run / "checkpoint" / "state.json"
+        state.unlink(missing_ok=True)
+        if text is not None:
+            state.write_text(text)
+        out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg), "--resume", str(run),
+                              "--backend", backend], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and "cannot resume" in out.stderr, \
+            (what, out.returncode, out.stdout[-800:], out.stderr[-1500:])
+        assert "engine" not in out.stdout.lower(), (what, out.stdout[-800:])
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint"]  # nothing written into the run directory

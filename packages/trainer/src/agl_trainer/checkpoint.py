@@ -7,8 +7,38 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .scheduler import GroupScheduler
+
+
+class NotResumable(ValueError):
+    """A run directory that cannot be resumed: no checkpoint, an unreadable or malformed ``state.json``, or
+    settings the checkpoint cannot be restored into (``agl_trainer.run.check_resumable``)."""
+
+
+class _Metrics(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    groups: list[str]
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    group_id: str
+    rollout_ids: list[str]
+    version: int = Field(ge=0)
+
+
+class _State(BaseModel):
+    """What :func:`save_checkpoint` writes to ``state.json``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: int = Field(ge=0)
+    version: int = Field(ge=0)
+    metrics: _Metrics
+    active: list[_Group]
 
 
 def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: GroupScheduler,
@@ -35,6 +65,28 @@ def save_checkpoint(run_dir: Path, backend, step: int, version: int, scheduler: 
     shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
 
 
-def load_checkpoint(run_dir: Path) -> dict | None:
-    path = run_dir / "checkpoint" / "state.json"
-    return json.loads(path.read_text()) if path.exists() else None
+def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The state :func:`save_checkpoint` wrote under ``run_dir`` (``step``, ``version``, ``metrics``, ``active``),
+    or None if there is no ``checkpoint/state.json``. Raises :class:`NotResumable` (one line) if it cannot be read
+    or is not of that shape (round 15: a hand-edited or truncated ``state.json`` was a traceback, or ``{}``
+    failed only after the engine had started)."""
+    path = Path(run_dir) / "checkpoint" / "state.json"
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+        _State.model_validate(state)
+    except (OSError, ValueError, RecursionError) as exc:  # (ValidationError and JSONDecodeError are ValueErrors)
+        why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'state'}: {e['msg']}" for e in exc.errors()[:3]) \
+            if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
+        raise NotResumable(f"{path} is not a checkpoint's state ({why[:300]})") from None
+    return state
+
+
+def resume_state(run_dir: Path) -> dict[str, Any]:
+    """:func:`load_checkpoint` of a run to resume. Raises :class:`NotResumable` if it has none (or a bad one)."""
+    state = load_checkpoint(run_dir)
+    if state is None:
+        raise NotResumable(f"{run_dir} has no checkpoint to resume from (no checkpoint/state.json: a run is "
+                           "checkpointed after each step)")
+    return state

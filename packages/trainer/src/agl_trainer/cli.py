@@ -202,6 +202,14 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     from .model import ensure_base_model
 
     _check_task(cfg)
+    if resume_dir is not None:
+        from .checkpoint import NotResumable, resume_state
+
+        try:
+            resume_state(resume_dir)
+        except NotResumable as exc:
+            err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
+            raise typer.Exit(2) from None
     py = verl_python()
     if py is None:
         err.print("[red]no verl environment[/red]: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .config import TrainConfig
-from .checkpoint import load_checkpoint
+from .checkpoint import NotResumable, resume_state
 from .loop import train_async
 
 
@@ -40,9 +40,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
     console = console or Console()
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
-    state = load_checkpoint(run_dir) if resume_dir else None
-    if resume_dir and state is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
+    state = resume_state(run_dir) if resume_dir else None  # NotResumable, before anything starts
     if state is not None:
         check_resumable(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,10 +80,6 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                     asyncio.run(backend.serve(0))
                 except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
                     console.print(f"could not give the engine its base weights back: {escape(str(exc))}")
-
-
-class NotResumable(ValueError):
-    """The run directory was trained with settings the checkpoint cannot be restored into."""
 
 
 def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:

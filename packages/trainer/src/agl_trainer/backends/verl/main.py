@@ -70,7 +70,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from agl_common.settings import redacted_url
     from rich.console import Console
 
-    from ...checkpoint import load_checkpoint
+    from ...checkpoint import resume_state
     from ...config import TrainConfig
     from ...loop import train_async
     from ...model import ensure_base_model, load_tokenizer
@@ -82,7 +82,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     cfg = TrainConfig.from_yaml(config_path).with_fields(backend="verl")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
-    state = load_checkpoint(run_dir) if resume else None
+    state = resume_state(run_dir) if resume else None  # (the CLI checked it before starting this process)
     console = Console()
     env = cpu_env() if cpu else {"VERL_USE_EXTERNAL_MODULES": "agl_trainer.backends.verl.hook"}
     init_ray(ranks, env) if cpu else _init_ray_gpu(env)
