@@ -346,3 +346,18 @@ def test_resuming_a_directory_without_a_good_checkpoint_is_one_line_before_anyth
             (what, out.returncode, out.stdout[-800:], out.stderr[-1500:])
         assert "engine" not in out.stdout.lower(), (what, out.stdout[-800:])
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint"]  # nothing written into the run directory
+
+
+def test_a_duration_is_no_reward():
+    """Round 15, B7: NumPy registers ``timedelta64`` as an integer, so a judge returning ``np.timedelta64(5,
+    "s")`` (a timing by mistake) was stored as reward 5.0. Numbers of every NumPy kind still pass."""
+    import numpy as np
+
+    from agl_common.schemas import check_reward
+
+    for bad in (np.timedelta64(5, "s"), np.datetime64("2026-01-01"), np.bool_(True), np.complex64(1), True, "1"):
+        with pytest.raises(ValueError, match="must be a number"):
+            check_reward(bad)
+    for good, value in ((np.float16(0.5), 0.5), (np.int8(-3), -3.0), (np.uint64(7), 7.0), (np.float64(1), 1.0),
+                        (2, 2.0), (0.25, 0.25)):
+        assert check_reward(good) == value
