@@ -14,6 +14,7 @@ from agl_controller import LocalRunner
 from agl_gateway import GatewaySettings, create_app
 
 import httpx
+import orjson
 from fakes import Served, fake_upstream
 from test_gateway import upstream  # noqa: F401 (fixture)
 from test_controller import HARNESS
@@ -361,3 +362,33 @@ def test_a_duration_is_no_reward():
     for good, value in ((np.float16(0.5), 0.5), (np.int8(-3), -3.0), (np.uint64(7), 7.0), (np.float64(1), 1.0),
                         (2, 2.0), (0.25, 0.25)):
         assert check_reward(good) == value
+
+
+async def test_a_stream_that_is_not_utf8_is_refused_as_a_complete_answer_is(store, redis_url, prefix,
+                                                                             upstream):  # noqa: F811
+    """Round 15, A3: a live stream's lines were decoded with ``errors="replace"``: bytes that are not UTF-8 in
+    the text became U+FFFD and the call was recorded ``ok`` (text that the token ids do not spell), where a
+    complete answer with the same bytes is refused (orjson reads strictly). Now an error record for both."""
+    from fakes import chat_answer, chat_chunks
+    from test_gateway import gateway, make_rollout
+    from test_hostile6 import _last, _one
+
+    await make_rollout(store, "r1")
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 2])
+    assert b'"content":"' in chunks[1] or b'"content": "' in chunks[1], chunks[1]
+    broken = chunks[1].replace(b'"content":"', b'"content":"\xff\xfe', 1).replace(b'"content": "',
+                                                                                  b'"content": "\xff\xfe', 1)
+    body = orjson.dumps(chat_answer("up", [1, 2, 3], [7, 8, 2])).replace(b'"content":"', b'"content":"\xff', 1)
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            upstream.app.state.plan = ("stream", [chunks[0], broken, *chunks[2:]], "done")
+            await _one(c, gw, {"stream": True})
+            rec = await _last(store)
+            assert rec.status == "error", (rec.status, rec.response)
+            upstream.app.state.plan = ("body", 200, body)
+            resp = await _one(c, gw)
+            assert resp.status_code == 502 and (await _last(store)).status == "error"
+            upstream.app.state.plan = ("stream", chunks, "done")
+            await _one(c, gw, {"stream": True})
+            assert (await _last(store)).status == "ok"
+    upstream.app.state.plan = None

@@ -127,7 +127,7 @@ async def read_stream(st: GatewayState, rollout_id: str, path: str, payload: dic
                 read += len(raw)
                 if read > STREAM_BYTES_MAX:
                     raise ValueError(f"the stream exceeds {STREAM_BYTES_MAX} bytes")
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                line = raw.decode("utf-8").rstrip("\r\n")  # (a complete answer is read strictly too: orjson)
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
