@@ -392,3 +392,20 @@ async def test_a_stream_that_is_not_utf8_is_refused_as_a_complete_answer_is(stor
             await _one(c, gw, {"stream": True})
             assert (await _last(store)).status == "ok"
     upstream.app.state.plan = None
+
+
+def test_the_console_scripts_import_user_modules_from_the_working_directory(tmp_path):
+    """Round 15, B6: ``python -m agl_controller run --reward-fn judge:score`` imported ``judge.py`` from the
+    working directory, the ``agl-controller`` console script did not (its ``sys.path[0]`` is the script's
+    folder): "cannot import 'judge'". Both now put the working directory first, as ``python -m`` does."""
+    import subprocess
+    import sys
+
+    (tmp_path / "judge_b6.py").write_text("def score(inp, out):\n    return 1.0\n")
+    script = Path(sys.executable).parent / "agl-controller"
+    if not script.exists():
+        pytest.skip(f"no console script at {script} (the package is not installed in this interpreter's env)")
+    out = subprocess.run([str(script), "run", "--command", "true", "--reward-fn", "judge_b6:score", "--gateway",
+                          "http://127.0.0.1:9", "--redis", "redis://127.0.0.1:9/0"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode in (1, 2) and "cannot import" not in out.stderr and "127.0.0.1:9" in out.stderr, out.stderr

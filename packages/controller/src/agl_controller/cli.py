@@ -333,4 +333,6 @@ def main() -> None:
     from agl_common.proc_secrets import argv_secrets, hide_from_proc
 
     hide_from_proc(argv_secrets(sys.argv[1:]), dumpable=False)  # a harness reads /proc/<pid>/{cmdline,environ}
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` and uvicorn: a --reward-fn, --preload
+        sys.path.insert(0, os.getcwd())  # or task module in the working directory imports from the console script too
     app()

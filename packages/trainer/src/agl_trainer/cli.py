@@ -731,12 +731,14 @@ def main() -> None:
     there, and the run prints a line per event instead. The key and a Redis password are first hidden from
     ``/proc`` (:func:`agl_common.proc_secrets.hide_from_proc`): a harness run by this trainer's controller runs
     as the same user."""
+    import os
+
     from agl_common.proc_secrets import argv_secrets, hide_from_proc
 
     hide_from_proc(argv_secrets(sys.argv[1:]))  # a harness reads /proc/<pid>/{cmdline,environ}
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m`: a task or reward module in the working
+        sys.path.insert(0, os.getcwd())  # directory imports from the console script too
     if not sys.stdout.isatty():
-        import os
-
         os.environ.setdefault("TQDM_DISABLE", "1")
     from agl_common.store import redis_error_line
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
