@@ -85,7 +85,8 @@ async def test_a_reward_function_that_ends_its_process_fails_only_its_run(store,
 
 
 async def test_reward_workers_report_why_and_are_reused(monkeypatch, tmp_path):
-    """The pool's own contract: the reason of a failure in one line, a worker that answered serves the next call,
+    """The pool's own contract: the reason of a failure in one line, a grader's ``signal.alarm`` works (it failed
+    in the thread the function ran in before), a worker that answered serves the next call,
     one that died while idle is replaced (not this call's failure), close() leaves no process."""
     from agl_controller.reward import RewardFunctionError, RewardPool
 
@@ -98,6 +99,7 @@ async def test_reward_workers_report_why_and_are_reused(monkeypatch, tmp_path):
             await pool.score({"kind": "nan"}, "", 30)
         with pytest.raises(RewardFunctionError, match="SystemExit: 3"):
             await pool.score({"kind": "exit"}, "", 30)
+        assert await pool.score({"kind": "alarm"}, "", 30) == 0.5  # the main thread: signal.alarm works
         assert await pool.score({"kind": "ok"}, "", 30) == 0.5
         (worker,) = pool._idle
         assert await pool.score({"kind": "ok"}, "", 30) == 0.5

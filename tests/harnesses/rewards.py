@@ -26,6 +26,13 @@ def hostile(inp: dict, output: str):
         import os
 
         os._exit(3)
+    if kind == "alarm":  # a grader's signal-based time limit (works only in a main thread)
+        import signal
+
+        signal.signal(signal.SIGALRM, lambda *_: None)
+        signal.alarm(30)
+        signal.alarm(0)
+        return 0.5
     if kind == "chdir":  # a judge that runs tests in another directory and does not come back
         import os
 

@@ -176,8 +176,8 @@ class LocalRunner(Runner):
             raise ValueError(f"max_log_bytes must be a positive number of bytes, got {max_log_bytes!r}")
         self.max_log_bytes = max_log_bytes
         self.key = key
-        # resolved once: a reward function (run in a thread of this process) that changes the process's working
-        # directory must not move where later runs start or log
+        # resolved once: nothing later (a reward function that changed the working directory, when it ran in a
+        # thread of this process) moves where later runs start or log
         self.log_dir = Path(log_dir).absolute()
         self.cwd = str(Path(cwd or os.getcwd()).absolute())
         self.extra_env = extra_env or {}
