@@ -37,11 +37,14 @@ def gateway_url(redis_url, prefix):
 
 async def run(store, gateway_url, tmp_path, inputs: dict[str, dict], **kw) -> dict[str, Rollout]:
     runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", **kw)
-    for rid, inp in inputs.items():
-        await store.create_rollout(Rollout(rollout_id=rid, input=inp, env_map={"TASK_CALLS": "calls"}))
-    ids = [await store.pop_queued() for _ in inputs]
-    await asyncio.gather(*(runner.run_one(rid) for rid in ids))
-    return {rid: await store.get_rollout(rid) for rid in inputs}
+    try:
+        for rid, inp in inputs.items():
+            await store.create_rollout(Rollout(rollout_id=rid, input=inp, env_map={"TASK_CALLS": "calls"}))
+        ids = [await store.pop_queued() for _ in inputs]
+        await asyncio.gather(*(runner.run_one(rid) for rid in ids))
+        return {rid: await store.get_rollout(rid) for rid in inputs}
+    finally:
+        runner.close()  # (its reward function's worker processes)
 
 
 async def test_outcomes_map_to_status_and_failure(store, gateway_url, tmp_path):
@@ -225,15 +228,9 @@ async def test_harness_gets_only_the_contract_env_and_what_is_named(store, gatew
         assert b"k3y" not in proc_env and b"hunter2" not in proc_env and b"s3cret" not in proc_env, proc_env[:300]
 
 
-def test_pass_env_names_are_checked(store, gateway_url, tmp_path):
-    with pytest.raises(ValueError, match="not a variable name"):
-        LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path, pass_env=["A=B"])
-
-
-async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gateway_url, tmp_path, monkeypatch):
-    """A blocking ``--reward-fn`` (a judge, a test run) ran on the event loop: lease renewals stopped and a
-    second controller ended the running rollouts as ``controller_lost``. It runs in a worker thread now."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+async def ticking(coro):
+    """``(coro's result, ticks)``: ticks of a task that counts every 50 ms on this event loop while ``coro`` runs
+    (a loop frozen by a blocking call gives a handful)."""
     ticks = 0
     done = asyncio.Event()
 
@@ -244,9 +241,24 @@ async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gate
             await asyncio.sleep(0.05)
 
     tick = asyncio.create_task(ticker())
-    out = await run(store, gateway_url, tmp_path, {"a": {"calls": 1, "judge_s": 3.0}}, reward_fn="rewards:slow")
-    done.set()
-    await tick
+    try:
+        return await coro, ticks
+    finally:
+        done.set()
+        await tick
+
+
+def test_pass_env_names_are_checked(store, gateway_url, tmp_path):
+    with pytest.raises(ValueError, match="not a variable name"):
+        LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path, pass_env=["A=B"])
+
+
+async def test_a_slow_reward_function_does_not_freeze_the_event_loop(store, gateway_url, tmp_path, monkeypatch):
+    """A blocking ``--reward-fn`` (a judge, a test run) ran on the event loop: lease renewals stopped and a
+    second controller ended the running rollouts as ``controller_lost``. It runs in a worker process now (round 15)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    out, ticks = await ticking(run(store, gateway_url, tmp_path, {"a": {"calls": 1, "judge_s": 3.0}},
+                                   reward_fn="rewards:slow"))
     assert out["a"].status == RolloutStatus.succeeded and out["a"].reward == 1.0
     assert ticks >= 40, ticks  # ~3 s of judging at one tick per 50 ms; a frozen loop gives a handful
 

@@ -8,38 +8,17 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-from agl_common.schemas import Rollout, RolloutStatus
-from agl_controller import LocalRunner
-from agl_gateway import GatewaySettings, create_app
-
 import httpx
 import orjson
+import pytest
+from agl_common.schemas import Rollout, RolloutStatus
+from agl_gateway import GatewaySettings, create_app
+
 from fakes import Served, fake_upstream
+from test_controller import gateway_url, run, ticking  # noqa: F401 (fixture)
 from test_gateway import upstream  # noqa: F401 (fixture)
-from test_controller import HARNESS
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture
-def gateway_url(redis_url, prefix):
-    with Served(fake_upstream()) as up:
-        settings = GatewaySettings(upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key="k3y")
-        with Served(create_app(settings)) as gw:
-            yield gw.url
-
-
-async def run(store, gateway_url, tmp_path, inputs: dict[str, dict], **kw) -> dict[str, Rollout]:
-    runner = LocalRunner(store, gateway_url, HARNESS, "m", key="k3y", log_dir=tmp_path / "logs", **kw)
-    try:
-        for rid, inp in inputs.items():
-            await store.create_rollout(Rollout(rollout_id=rid, input=inp, env_map={"TASK_CALLS": "calls"}))
-        ids = [await store.pop_queued() for _ in inputs]
-        await asyncio.gather(*(runner.run_one(rid) for rid in ids))
-        return {rid: await store.get_rollout(rid) for rid in inputs}
-    finally:
-        runner.close()
 
 
 async def test_a_reward_function_that_holds_the_gil_freezes_nothing(store, gateway_url, tmp_path, monkeypatch):
@@ -47,22 +26,10 @@ async def test_a_reward_function_that_holds_the_gil_freezes_nothing(store, gatew
     in a thread of the controller: the event loop stood still for as long, so neither the reward timeout nor the
     lease renewals ran (another controller then ended every running rollout as ``controller_lost``)."""
     monkeypatch.syspath_prepend(str(HERE / "harnesses"))
-    ticks = 0
-    done = asyncio.Event()
-
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0.05)
-
-    tick = asyncio.create_task(ticker())
     t0 = time.monotonic()
-    out = await run(store, gateway_url, tmp_path, {"held": {"calls": 1, "hold_s": 3},
-                                                   "for_ever": {"calls": 1, "hold_s": 3600}},
-                    reward_fn="rewards:gil", timeout_s=8)
-    done.set()
-    await tick
+    out, ticks = await ticking(run(store, gateway_url, tmp_path, {"held": {"calls": 1, "hold_s": 3},
+                                                                  "for_ever": {"calls": 1, "hold_s": 3600}},
+                                   reward_fn="rewards:gil", timeout_s=8))
     assert (out["held"].status, out["held"].reward) == (RolloutStatus.succeeded, 1.0), out["held"].failure
     # held for good: its timeout ran, the worker was killed (it was: the loop answered within a minute)
     assert (out["for_ever"].status, out["for_ever"].failure) == (RolloutStatus.failed, "reward_error")
