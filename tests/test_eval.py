@@ -40,6 +40,18 @@ def test_one_accuracy_and_reward_definition():
     s = eval_stats(rs, default_is_correct)
     assert (s["accuracy"], s["reward_mean"]) == (1 / 4, 0.5)
     assert accuracy([], default_is_correct) == 0.0 and reward_mean([]) == 0.0
+    # round 15: the evaluation table's "reward mean ± std" (and eval.json's reward) took the failed rollout's
+    # posted 1.0 (0.667, not 0.5); a step's group signal and per-role reward mean did too
+    assert s["reward"]["mean"] == s["reward_mean"] == 0.5 and s["rewards"] == [None, 1.0, 0.0, None]
+    from agl_common.schemas import CallRecord
+    from agl_trainer.algorithm.stepstats import batch_signals, role_signals
+
+    group = [r.model_copy(update={"group_id": "g"}) for r in rs[:3]]  # failed 1.0, succeeded 1.0 and 0.0
+    assert batch_signals(group[:2], {})["group_signal_frac"] == 0.0  # only one outcome: 1.0
+    assert batch_signals(group, {})["group_signal_frac"] == 1.0
+    calls = {r.rollout_id: [CallRecord(rollout_id=r.rollout_id, attempt_id="0", seq=0, route="chat", request={},
+                                       response={}, role="solver")] for r in rs}
+    assert role_signals(rs, calls, [])["solver"]["reward_mean"] == 0.5
 
 
 def test_eval_stats_by_hand():

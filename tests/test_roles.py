@@ -133,7 +133,9 @@ def test_role_signals_per_role():
     from agl_trainer.algorithm.aggregate import Row
     from agl_trainer.algorithm.stepstats import role_signals
 
-    rollouts = [Rollout(rollout_id="a", reward=1.0), Rollout(rollout_id="b", reward=0.0), Rollout(rollout_id="c")]
+    done = RolloutStatus.succeeded  # (a rollout's outcome reward is a succeeded one's: evalstats.outcome_reward)
+    rollouts = [Rollout(rollout_id="a", reward=1.0, status=done), Rollout(rollout_id="b", reward=0.0, status=done),
+                Rollout(rollout_id="c", status=done)]
     calls = {"a": [call(0, [1], [2], "solver", "a"), call(1, [1], [2], "checker", "a")],
              "b": [call(0, [1], [2], "solver", "b").model_copy(update={"finish_reason": "stop"})],
              "c": [call(0, [1], [2], "solver", "c")]}

@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.schemas import CallRecord, Rollout
 
 from .advantage import row_advantages
 from .aggregate import AggregateStats, Row, build_rows
+from .evalstats import outcome_reward
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -30,7 +31,7 @@ def select_groups(rollouts: list[Rollout], min_group_size: int) -> tuple[list[Ro
     groups: dict[str, list[Rollout]] = {}
     counts = {"failed": 0, "dropped_groups": 0}
     for r in rollouts:
-        if r.status == RolloutStatus.succeeded and r.reward is not None:
+        if outcome_reward(r) is not None:  # (the one definition: a succeeded rollout's reward)
             groups.setdefault(r.group_id or r.rollout_id, []).append(r)
         else:
             counts["failed"] += 1

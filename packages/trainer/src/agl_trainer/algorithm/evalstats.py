@@ -65,10 +65,12 @@ def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
         ``problems``; ``samples_per_problem`` (the smallest group's size);
         ``pass_at_k``: ``{"1": ..., "2": ..., "4": ..., ..., str(samples_per_problem): ...}``, the mean over
         problems of :func:`pass_at_k` (k up to the smallest group's size);
-        ``reward``: ``mean``, ``std`` (population), ``min``, ``p25``, ``median``, ``p75``, ``max`` over the
-        rewards reported (None without any), ``hist``: ``{value: count}`` when at most 10 distinct values,
-        else counts in 10 equal bins keyed by their lower edge; ``rewards``: every rollout's reward (None
-        when it reported none), in input order.
+        ``reward``: ``mean`` (= ``reward_mean``), ``std`` (population), ``min``, ``p25``, ``median``, ``p75``,
+        ``max`` over the :func:`outcome_reward` values (succeeded rollouts' rewards; ``{}`` without any),
+        ``hist``: ``{value: count}`` when at most 10 distinct values, else counts in 10 equal bins keyed by their
+        lower edge; ``rewards``: every rollout's :func:`outcome_reward` (None when it failed or reported none), in
+        input order. (A failed rollout's posted reward had entered ``reward`` and ``rewards``: the table's
+        "reward mean" differed from ``reward_mean``.)
     """
     if not rollouts:
         return {"accuracy": 0.0, "correct": [], "reward_mean": 0.0, "n": 0, "failed": 0, "problems": 0,
@@ -81,7 +83,7 @@ def eval_stats(rollouts: list[Rollout], is_correct: IsCorrect) -> dict:
     m = min(n for n, _ in per_problem)
     ks = sorted({k for k in (2 ** i for i in range(m.bit_length())) if k <= m} | {m})
     pass_k = {str(k): sum(pass_at_k(n, c, k) for n, c in per_problem) / len(per_problem) for k in ks}
-    rewards = [r.reward for r in rollouts]
+    rewards = [outcome_reward(r) for r in rollouts]
     return {"accuracy": accuracy(rollouts, is_correct), "correct": solved,
             "reward_mean": reward_mean(rollouts), "n": len(rollouts),
             "failed": sum(r.status == RolloutStatus.failed for r in rollouts), "problems": len(groups),

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from agl_common.schemas import CallRecord, Rollout
 
+from .evalstats import outcome_reward
+
 #: categories of a step's wall-clock time, in the order they claim an instant (see :func:`rollout_phase_split`)
 TIME_KEYS = ("time_generation_s", "time_harness_startup_s", "time_wait_s", "time_update_s", "time_weight_load_s",
              "time_pause_drain_s", "time_idle_s")
@@ -77,8 +79,8 @@ def batch_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]]) -
     groups: dict[str, set[float]] = {}
     for r in rollouts:
         groups.setdefault(r.group_id or r.rollout_id, set())
-        if r.reward is not None:
-            groups[r.group_id or r.rollout_id].add(r.reward)
+        if (reward := outcome_reward(r)) is not None:  # (a failed rollout's posted reward made a group "signal")
+            groups[r.group_id or r.rollout_id].add(reward)
     every = [c for cs in calls.values() for c in cs]
     n = max(1, len(every))
     return {"group_signal_frac": sum(len(v) > 1 for v in groups.values()) / max(1, len(groups)),
@@ -89,16 +91,16 @@ def batch_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]]) -
 
 def role_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]], rows: list) -> dict[str, dict]:
     """Per role (:attr:`CallRecord.role`) of one step: ``calls``, ``truncation_rate`` (its calls cut at
-    ``max_tokens``), ``rollouts`` (rollouts that called it), ``reward_mean`` (their mean reward, rewarded ones
-    only; None if none) and ``rows`` (training rows of that role, :attr:`Row.role`). ``{}`` without roles."""
+    ``max_tokens``), ``rollouts`` (rollouts that called it), ``reward_mean`` (the mean of their
+    :func:`~agl_trainer.algorithm.evalstats.outcome_reward`: succeeded, rewarded ones only; None if none) and ``rows`` (training rows of that role, :attr:`Row.role`). ``{}`` without roles."""
     out: dict[str, dict] = {}
     by_id = {r.rollout_id: r for r in rollouts}
     for rid, cs in calls.items():
         for role in {c.role for c in cs if c.role is not None}:
             s = out.setdefault(role, {"calls": 0, "cut": 0, "rewards": [], "rollouts": 0, "rows": 0})
             s["rollouts"] += 1
-            if rid in by_id and by_id[rid].reward is not None:
-                s["rewards"].append(by_id[rid].reward)
+            if rid in by_id and (reward := outcome_reward(by_id[rid])) is not None:
+                s["rewards"].append(reward)
         for c in cs:
             if c.role is not None:
                 out[c.role]["calls"] += 1

@@ -217,7 +217,9 @@ class PolicyServer:
                     raise ValueError(f"LoRA tensors match nothing in the model: {unexpected[:5]}")
                 out_dir = os.environ.get("AGL_VERL_LORA_DIR")
                 if out_dir and global_steps is not None:
-                    self.model.save_pretrained(Path(out_dir) / f"policy-v{global_steps}")
+                    from agl_common.schemas import policy_name  # (the one served-name function)
+
+                    self.model.save_pretrained(Path(out_dir) / policy_name(global_steps))
             else:
                 target = getattr(self.model, "base_model", None)
                 target = target.model if target is not None and hasattr(target, "model") else self.model
