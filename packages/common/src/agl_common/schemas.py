@@ -367,8 +367,9 @@ EVENTS_PER_ATTEMPT_MAX = 1000
 
 def check_reward(value: Any) -> float:
     """``value`` as a float if it can be a reward: a real number (``int``, ``float``, a NumPy scalar; not a bool,
-    a string, bytes or a NumPy ``timedelta64``, which NumPy registers as an integer: a duration is no score), finite, with ``|value| <=`` :data:`REWARD_LIMIT`; else ``ValueError`` saying why (NaN
-    and inf would be stored as null; a huge one overflows the advantage). The gateway's reward route and the
+    a string, bytes or a NumPy ``timedelta64``, which NumPy registers as an integer: a duration is no score),
+    finite, with ``|value| <=`` :data:`REWARD_LIMIT`; else ``ValueError`` saying why (NaN and inf would be stored
+    as null; a huge one overflows the advantage). The gateway's reward route and the
     controller's ``--reward-fn`` both use it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or getattr(getattr(value, "dtype", None), "kind", None) not in (None, "i", "u", "f"):

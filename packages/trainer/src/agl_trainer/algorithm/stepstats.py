@@ -92,7 +92,8 @@ def batch_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]]) -
 def role_signals(rollouts: list[Rollout], calls: dict[str, list[CallRecord]], rows: list) -> dict[str, dict]:
     """Per role (:attr:`CallRecord.role`) of one step: ``calls``, ``truncation_rate`` (its calls cut at
     ``max_tokens``), ``rollouts`` (rollouts that called it), ``reward_mean`` (the mean of their
-    :func:`~agl_trainer.algorithm.evalstats.outcome_reward`: succeeded, rewarded ones only; None if none) and ``rows`` (training rows of that role, :attr:`Row.role`). ``{}`` without roles."""
+    :func:`~agl_trainer.algorithm.evalstats.outcome_reward`: succeeded, rewarded ones only; None if none) and
+    ``rows`` (training rows of that role, :attr:`Row.role`). ``{}`` without roles."""
     out: dict[str, dict] = {}
     by_id = {r.rollout_id: r for r in rollouts}
     for rid, cs in calls.items():

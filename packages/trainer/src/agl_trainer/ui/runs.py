@@ -86,9 +86,9 @@ def _bounded_int(text: str) -> int | None:
 def _loads(text: str) -> Any:
     """JSON with ``NaN``/``Infinity`` (written by older runs), floats past float range (``1e400``) and integers past
     :data:`MAX_INT` read as None, so every page and API answer is valid JSON and every number converts to a float.
-    Raises ``ValueError``, also for JSON nested deeper than :data:`~agl_common.schemas.MAX_JSON_DEPTH` (round 15: a ``config.json`` of
-    100,000 nested lists was a ``RecursionError`` in the parser or in :func:`shown_config`, and every page that
-    lists runs answered 500)."""
+    Raises ``ValueError``, also for JSON nested deeper than :data:`~agl_common.schemas.MAX_JSON_DEPTH` (round
+    15: a ``config.json`` of 100,000 nested lists was a ``RecursionError`` in the parser, and every page that lists
+    runs answered 500)."""
     try:
         obj = json.loads(text, parse_constant=lambda _: None, parse_float=_finite, parse_int=_bounded_int)
     except RecursionError:
