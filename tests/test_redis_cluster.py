@@ -175,6 +175,45 @@ async def test_every_store_operation_on_the_cluster(cluster_store, redis_cluster
 
 
 @cluster
+@pytest.mark.parametrize("where", ["send", "reply"])
+@pytest.mark.parametrize("race", [AttributeError("'NoneType' object has no attribute 'writelines'"),
+                                  RuntimeError("unable to perform operation on <TCPTransport closed=True>")],
+                         ids=["attribute", "runtime"])
+async def test_a_connection_closed_under_a_command_is_a_connection_error_on_every_path(cluster_store, monkeypatch,
+                                                                                      race, where):
+    """redis-py (8.1) closes a node's connections from one command's error path while another uses one (a
+    failover); that other command then fails with ``AttributeError``/``RuntimeError``. A single command, a
+    pipeline (the gateway's per-call ``attempt_usage``: it answered 500 in a failover) and a transaction all
+    raise :class:`redis.exceptions.ConnectionError` for it, which callers answer 503 (retry)."""
+    from redis.asyncio.connection import AbstractConnection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    s = cluster_store
+    await s.create_rollout(Rollout(rollout_id="r1"), enqueue=False)
+    name = "read_response" if where == "reply" else "send_packed_command"
+    real = getattr(AbstractConnection, name)
+    armed = []
+
+    async def closed_under_us(self, *a, **kw):
+        if armed:
+            armed.clear()
+            await self.disconnect()  # what the other command's error path did
+            raise race
+        return await real(self, *a, **kw)
+
+    monkeypatch.setattr(AbstractConnection, name, closed_under_us)
+    calls = [lambda: s.get_rollout("r1"), lambda: s.attempt_usage("r1", "0"),
+             lambda: s.update_rollout("r1", lambda r: None)]
+    for call in calls:
+        armed.append(1)
+        with pytest.raises(RedisConnectionError, match="topology change"):
+            await call()
+        assert not armed  # the race was hit, not skipped
+    monkeypatch.undo()
+    assert await s.attempt_usage("r1", "0") == (0, 0)  # nothing left broken
+
+
+@cluster
 async def test_gateway_controller_and_trainer_on_the_cluster(redis_cluster, cluster_store, prefix, tmp_path):
     """Groups created by the trainer's scheduler, run by the local controller through an in-process gateway,
     rewarded, announced on the completed stream and committed: everything on the cluster."""

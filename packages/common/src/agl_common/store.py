@@ -48,13 +48,13 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, ClusterPubSub, PipelineCommand, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, PipelineCommand, RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     AskError,
@@ -62,6 +62,7 @@ from redis.exceptions import (
     ConnectionError as RedisConnectionError,
     MovedError,
     NoScriptError,
+    RedisClusterException,
     RedisError,
     ResponseError,
     SlotNotCoveredError,
@@ -218,6 +219,37 @@ class _ClusterPubSub(ClusterPubSub):
     parse_response = keeps_cancellation(aioredis.client.PubSub.parse_response)
 
 
+async def _race_as_connection_error(awaitable: Awaitable[Any], what: Any) -> Any:
+    """Await ``awaitable``; the race of :class:`_RedisCluster` (``AttributeError``/``RuntimeError`` from a
+    connection closed under the command) is raised as :class:`redis.exceptions.ConnectionError`."""
+    try:
+        return await awaitable
+    except _CLOSED_UNDER_US as exc:
+        raise RedisConnectionError(f"connection closed under {what!r} during a topology change: {exc}") from exc
+
+
+class _ClusterPipeline(ClusterPipeline):
+    """redis-py's cluster pipeline (and transaction) with the same race reported as a connection error: its
+    commands reach the nodes without :meth:`RedisCluster.execute_command` (the gateway's per-call
+    :meth:`Store.attempt_usage` answered 500 in tests/test_redis_cluster.py's failover test)."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        res = super().execute_command(*args, **kwargs)
+        return res if res is self else _race_as_connection_error(res, args[0])  # queued, or run now (WATCHed)
+
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return await _race_as_connection_error(super().execute(*args, **kwargs), "pipeline")
+
+    async def watch(self, *names: Any) -> Any:
+        return await _race_as_connection_error(super().watch(*names), "WATCH")
+
+    async def unwatch(self) -> Any:
+        return await _race_as_connection_error(super().unwatch(), "UNWATCH")
+
+    async def reset(self) -> None:
+        await _race_as_connection_error(super().reset(), "UNWATCH")
+
+
 class _RedisCluster(RedisCluster):
     """redis-py's asyncio cluster client with one of its races reported as what it is, a connection error.
 
@@ -225,14 +257,17 @@ class _RedisCluster(RedisCluster):
     command is using one of them; that command then fails with ``AttributeError: 'NoneType' object has no
     attribute 'writelines'`` or ``RuntimeError: unable to perform operation on <TCPTransport closed=True>``
     (both seen in tests/test_redis_cluster.py's failover test). Callers handle
-    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not those.
+    :class:`redis.exceptions.ConnectionError` (the gateway answers 503 and the agent retries), not those. The
+    same holds for its pipelines and transactions (:class:`_ClusterPipeline`).
     """
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **kwargs)
-        except _CLOSED_UNDER_US as exc:
-            raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
+        return await _race_as_connection_error(super().execute_command(*args, **kwargs), args[0])
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> _ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _ClusterPipeline(self, transaction)
 
 
 class StoreRefused(RedisConnectionError):
@@ -637,7 +672,7 @@ class Store:
             try:
                 await self.r.initialize()  # the slot map (a no-op unless a failure asked for a reload)
                 node = self.r.get_node_from_key(keys[0])
-            except RETRYABLE as exc:
+            except (*RETRYABLE, *_CLOSED_UNDER_US) as exc:
                 last = exc
                 continue
             batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
@@ -647,7 +682,7 @@ class Store:
                 batch[0].result = batch[1].result = RedisConnectionError(str(exc))
             seq, acked = batch[0].result, batch[1].result
             if isinstance(seq, NoScriptError):
-                await node.execute_command("SCRIPT", "LOAD", _RECORD_CALL)
+                await _race_as_connection_error(node.execute_command("SCRIPT", "LOAD", _RECORD_CALL), "SCRIPT")
                 last = seq
                 continue
             err = next((r for r in (seq, acked) if isinstance(r, Exception)), None)
