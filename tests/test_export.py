@@ -66,7 +66,7 @@ async def seed(redis_url: str, prefix: str) -> None:
         for rid in plan:  # registered as the trainer's scheduler registers its groups
             groups.setdefault(rid.rsplit("-", 1)[0], []).append(rid)
         for gid, ids in groups.items():
-            await store.register_group(GroupInfo(group_id=gid, rollout_ids=ids))
+            await store.register_group(GroupInfo(group_id=gid, rollout_ids=ids, run=gid.rsplit("-g", 1)[0]))
     finally:
         await store.close()
 

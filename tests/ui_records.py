@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import httpx
-from agl_common.schemas import Rollout, RolloutStatus
+from agl_common.schemas import GroupInfo, Rollout, RolloutStatus
 
 from fakes import fake_upstream
 
@@ -65,6 +65,9 @@ async def record_run(store, gateway: str, runs_dir: Path, run_id: str) -> dict:
     out = {}
     for gid, members in plan.items():
         out[gid] = []
+        # registered as the trainer's scheduler registers its groups (the dashboard finds a rollout's run by it)
+        await store.register_group(GroupInfo(group_id=gid, rollout_ids=[f"{gid}-{i}" for i in range(len(members))],
+                                             owner=run_id, run=run_id))
         for i, (reward, answer, rerender) in enumerate(members):
             rid = f"{gid}-{i}"
             await store.create_rollout(Rollout(rollout_id=rid, input={"question": questions[gid]}, group_id=gid,

@@ -213,18 +213,27 @@ class GroupInfo(BaseModel):
 
     ``owner`` is the trainer run (its scheduler tag) that trains the group; ``None`` for groups no trainer
     trains (evaluations). A restarted trainer adopts the groups it owns from this record, never from ids.
+    ``run`` is the run the group belongs to, its evaluations included (a trainer run's id, or an ``eval-...``
+    directory's name): ``rollouts list/export --run`` and the dashboard select a run's rollouts by it
+    (:meth:`agl_common.store.Store.run_rollout_ids`), never by id prefix. ``None``: no run.
     """
 
     group_id: str
     rollout_ids: list[str]
     policy_version: int = 0
     owner: str | None = None
+    run: str | None = None
     created_at: float = Field(default_factory=time.time)
 
     @field_validator("group_id")
     @classmethod
     def _group_id(cls, v: str) -> str:
         return check_rollout_id(v, "group id")
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str | None) -> str | None:
+        return v if v is None else check_rollout_id(v, "run id")
 
 
 Route = Literal["chat", "completions", "messages", "responses"]

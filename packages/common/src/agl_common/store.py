@@ -37,6 +37,8 @@ key                                 type      holds
 ``P {E}:groups:{tag}``              string    counter of the groups a trainer run created
 ``P {E}:group_members``             hash      group id → :class:`GroupInfo` JSON (its rollout ids, policy
                                               version and owning trainer run), written before its rollouts
+``P {E}:run-groups:{run}``          set       group ids of run ``run`` (:attr:`GroupInfo.run`), written
+                                              with the group's record (one script)
 ==================================  ========  ================================================
 
 A store object is passed to whoever needs it; nothing is kept in module-level state.
@@ -139,6 +141,14 @@ local owner = redis.call('GET', KEYS[1])
 if ARGV[1] ~= '' and owner and owner ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
+return 1
+"""
+
+#: Register group ``ARGV[1]`` (record ``ARGV[2]``) in the hash ``KEYS[1]`` unless it exists (then 0), and add it
+#: to its run's set ``KEYS[2]`` if one is given.
+_REGISTER_GROUP = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[1]) end
 return 1
 """
 
@@ -394,6 +404,7 @@ class Store:
         self._event_script = self.r.register_script(_ADD_EVENT)
         self._heartbeat_script = self.r.register_script(_OWNED_HEARTBEAT)
         self._drop_replica_script = self.r.register_script(_DROP_REPLICA)
+        self._register_group_script = self.r.register_script(_REGISTER_GROUP)
         self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
         self._layout_ok = False
 
@@ -484,10 +495,20 @@ class Store:
             out.append(Rollout.model_validate_json(raw))
         return out
 
-    async def rollout_ids(self, prefix: str | None = None) -> list[str]:
-        """Every rollout id, oldest first (creation time); with ``prefix``, only ids starting with it."""
-        ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, -1)]
-        return ids if prefix is None else [i for i in ids if i.startswith(prefix)]
+    async def rollout_ids(self) -> list[str]:
+        """Every rollout id, oldest first (creation time)."""
+        return [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, -1)]
+
+    async def run_rollout_ids(self, run: str) -> list[str]:
+        """The rollout ids of run ``run`` (every group registered with :attr:`GroupInfo.run` ``== run``, its
+        evaluations included), oldest first; ids no longer in the rollout index are left out. ``[]`` for a run
+        with no registered group (an unknown run, or one recorded before groups carried their run)."""
+        gids = sorted(i.decode() for i in await self.r.smembers(self.key("run-groups", run)))
+        members = [rid for info in await self.groups(gids) if info is not None for rid in info.rollout_ids]
+        if not members:
+            return []
+        scores = await self.r.zmscore(self.key("rollouts"), members)
+        return [rid for _, rid in sorted((s, rid) for s, rid in zip(scores, members) if s is not None)]
 
     async def list_rollouts(self, limit: int = 1000) -> list[Rollout]:
         ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, limit - 1)]
@@ -567,12 +588,14 @@ class Store:
         return int(await self.r.incr(self.key("groups", tag))) - 1
 
     async def register_group(self, info: GroupInfo) -> None:
-        """Record a group's members and owner (``HSET P group_members``); call it before creating its rollouts.
+        """Record a group's members, owner and run (``HSETNX P group_members``, and ``SADD P run-groups:{run}``
+        in the same script); call it before creating its rollouts.
 
-        Raises ``ValueError`` if the group id is registered already (``HSETNX``): a group is never redefined.
+        Raises ``ValueError`` if the group id is registered already: a group is never redefined.
         """
         await self.ensure_layout()
-        if not await self.r.hsetnx(self.key("group_members"), info.group_id, info.model_dump_json()):
+        keys = [self.key("group_members")] + ([self.key("run-groups", info.run)] if info.run is not None else [])
+        if not await self._register_group_script(keys=keys, args=[info.group_id, info.model_dump_json()]):
             raise ValueError(f"group {info.group_id!r} already exists")
 
     async def groups(self, group_ids: list[str]) -> list[GroupInfo | None]:

@@ -39,17 +39,33 @@ console = Console() if sys.stdout.isatty() else Console(width=250)
 err = Console(stderr=True)
 
 
-def _a_rollout_id(value: str | None) -> str | None:
-    """Typer callback of an argument naming one rollout: :func:`agl_common.schemas.check_rollout_id`, else a usage
-    error (exit 2; bytes that are not UTF-8 were a ``UnicodeEncodeError`` traceback once they reached Redis)."""
+def _checked_id(value: str | None, what: str) -> str | None:
+    """``value`` if :func:`agl_common.schemas.check_rollout_id` accepts it as a ``what``, else a usage error (exit 2;
+    bytes that are not UTF-8 were a ``UnicodeEncodeError`` traceback once they reached Redis)."""
     from agl_common.schemas import check_rollout_id
 
     if value is None:
         return None
     try:
-        return check_rollout_id(value)
+        return check_rollout_id(value, what)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _a_rollout_id(value: str | None) -> str | None:
+    """Typer callback of an argument naming one rollout (:func:`_checked_id`)."""
+    return _checked_id(value, "rollout id")
+
+
+def _a_run_id(value: str | None) -> str | None:
+    """Typer callback of ``--run``: a run id follows a rollout id's rules (:func:`_checked_id`)."""
+    return _checked_id(value, "run id")
+
+
+#: ``--run`` of ``rollouts list`` and ``rollouts export``: membership from the group registry, not id prefixes.
+RunOpt = typer.Option(None, "--run", callback=_a_run_id,
+                      help="only the rollouts of this run, its evaluations included (a run id: the name of its "
+                      "runs/ directory, or of an eval-... directory)")
 
 
 def _store(redis: str, prefix: str):
@@ -420,14 +436,14 @@ def rollouts_create(
 @rollouts_app.command("list")
 def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"),
-                  run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
+                  run: str = RunOpt,
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """The latest rollouts with their status, reward and failure."""
 
     async def main():
         store = _store(redis, prefix)
         try:
-            ids = await store.rollout_ids(run)
+            ids = await (store.rollout_ids() if run is None else store.run_rollout_ids(run))
             shown = ids[-limit:] if limit > 0 else ids
             return await store.get_rollouts(shown, skip_missing=True), len(ids)
         finally:
@@ -530,7 +546,7 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
 
 @rollouts_app.command("export")
 def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only this rollout", callback=_a_rollout_id),
-                    run: str = typer.Option(None, "--run", help="only rollouts whose id starts with this (a run id)"),
+                    run: str = RunOpt,
                     status: str = typer.Option(None, "--status", help="only rollouts in this state: queuing, running, "
                                                "succeeded, failed"),
                     min_reward: float = typer.Option(None, "--min-reward", help="only rollouts with reward >= this"),
@@ -547,9 +563,6 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     """Recorded rollouts as a data set: by default every recorded call as JSON Lines on standard output."""
     import math
 
-    if run == "":  # (every id starts with "": an empty --run filtered nothing, silently)
-        err.print("[red]invalid --run ''[/red]: a run id (or an id prefix), not empty")
-        raise typer.Exit(2)
     if min_reward is not None and not math.isfinite(min_reward):
         err.print(f"[red]invalid --min-reward[/red]: a finite number, got {min_reward!r}")
         raise typer.Exit(2)

@@ -136,7 +136,7 @@ def result_table(res: dict, policy: EvalPolicy) -> Table:
 
 
 async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n: int, engine: str, redis_url: str,
-                    tag: str, on_progress=None) -> dict:
+                    tag: str, on_progress=None, run: str | None = None) -> dict:
     from agl_common.control import resume
     from agl_common.store import Store
 
@@ -152,7 +152,7 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
         await store.set_policy(policy.policy(cfg))
         await resume(store, policy=policy.policy(cfg))
         return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, is_correct,
-                              on_progress, n=n)
+                              on_progress, n=n, run=run)
     finally:
         await store.close()
 
@@ -190,7 +190,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
             task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)
             tag = f"{eval_dir.name}-{uuid.uuid4().hex[:4]}"
             res = asyncio.run(_evaluate(cfg, policy, heldout, n, engine, redis_url, tag,
-                                        lambda d, t: progress.update(task, completed=d)))
+                                        lambda d, t: progress.update(task, completed=d), run=eval_dir.name))
     res = {**res, "policy": policy.model, "version": policy.version, "eval_dir": str(eval_dir)}
     (eval_dir / "eval.json").write_text(json.dumps(res, indent=2))
     with Trackers(cfg.loggers, eval_dir) as trackers:

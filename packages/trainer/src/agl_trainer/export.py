@@ -53,8 +53,9 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportFilter:
-    """Which rollouts to export: every condition given holds. ``rollout``: this id; ``run``: id prefix (a run id;
-    with ``rollout``, that rollout only if its id starts with it); ``status``: one of the rollout states;
+    """Which rollouts to export: every condition given holds. ``rollout``: this id; ``run``: the rollouts of this
+    run, from the group registry (:meth:`agl_common.store.Store.run_rollout_ids`; with ``rollout``, that rollout
+    only if it belongs to the run); ``status``: one of the rollout states;
     ``min_reward``: keep rollouts whose outcome reward (:func:`~agl_trainer.algorithm.evalstats.outcome_reward`:
     succeeded ones only) is ``>=`` this."""
 
@@ -64,8 +65,7 @@ class ExportFilter:
     min_reward: float | None = None
 
     def keep(self, r: Rollout) -> bool:
-        if self.run is not None and not r.rollout_id.startswith(self.run):
-            return False
+        """Whether ``r`` passes the conditions a rollout's record decides (all but ``run``)."""
         if self.status is not None and r.status != self.status:
             return False
         if self.min_reward is None:
@@ -83,10 +83,14 @@ class ExportStats:
 
 async def select_rollouts(store: Store, flt: ExportFilter) -> list[Rollout]:
     """The rollouts matching ``flt``, oldest first. Raises ``RolloutNotFound`` for an unknown ``flt.rollout``."""
+    members = None if flt.run is None else await store.run_rollout_ids(flt.run)
     if flt.rollout is not None:
         candidates = [await store.get_rollout(flt.rollout)]
+        if members is not None and flt.rollout not in members:
+            candidates = []
     else:
-        candidates = await store.get_rollouts(await store.rollout_ids(flt.run), skip_missing=True)
+        candidates = await store.get_rollouts(await store.rollout_ids() if members is None else members,
+                                              skip_missing=True)
     return [r for r in candidates if flt.keep(r)]
 
 

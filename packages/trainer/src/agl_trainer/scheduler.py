@@ -33,19 +33,20 @@ from .algorithm.evalstats import eval_stats
 
 
 async def create_rollouts(store: Store, inputs: list[dict], n: int, tag: str, version: int,
-                          owner: str | None = None) -> list[str]:
+                          owner: str | None = None, run: str | None = None) -> list[str]:
     """Create ``n`` rollouts per input (one group per input, ``group_id = {tag}-g{k}``); returns their ids.
 
     Each group is registered first (:meth:`Store.register_group`, with ``owner``: the trainer run that trains
-    it, ``None`` for evaluations), so who owns a group and which rollouts it has is read from the store,
-    never parsed out of ids. Raises ``ValueError`` if a group or rollout id exists already.
+    it, ``None`` for evaluations, and ``run``: the run it belongs to), so who owns a group, which run it is
+    part of and which rollouts it has is read from the store, never parsed out of ids. Raises ``ValueError``
+    if a group or rollout id exists already.
     """
     ids = []
     for k, inp in enumerate(inputs):
         gid = f"{tag}-g{k}"
         members = [f"{gid}-{i}" for i in range(n)]
         await store.register_group(GroupInfo(group_id=gid, rollout_ids=members, policy_version=version,
-                                             owner=owner))
+                                             owner=owner, run=run))
         for rid in members:
             await store.create_rollout(Rollout(rollout_id=rid, input=inp, group_id=gid, policy_version=version))
         ids += members
@@ -70,7 +71,8 @@ async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
 
 async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
                    is_correct: Callable[[dict, float | None], bool],
-                   on_progress: Callable[[int, int], None] | None = None, n: int = 1) -> dict:
+                   on_progress: Callable[[int, int], None] | None = None, n: int = 1,
+                   run: str | None = None) -> dict:
     """``n`` rollouts per held-out problem (one group each) under the current policy; a failed rollout counts
     as wrong.
 
@@ -79,7 +81,7 @@ async def evaluate(store: Store, problems: list[dict], tag: str, version: int, t
     the order of ``problems``, their ``n`` samples together), ``pass_at_k``, the reward distribution and the
     per-rollout ``rewards``.
     """
-    ids = await create_rollouts(store, problems, n, tag, version)
+    ids = await create_rollouts(store, problems, n, tag, version, run=run)
     return eval_stats(await wait_terminal(store, ids, timeout_s, on_progress), is_correct)
 
 
@@ -176,7 +178,7 @@ class GroupScheduler:
             n = await self.store.next_group_number(self.tag)
             tag = f"{self.tag}-q{n}"
             ids = await create_rollouts(self.store, [self._next_input()], self.group_size, tag, version,
-                                        owner=self.tag)
+                                        owner=self.tag, run=self.tag)
             group = Group(f"{tag}-g0", ids, version)
             self.active[group.group_id] = group
             started += 1

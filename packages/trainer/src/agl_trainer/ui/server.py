@@ -141,20 +141,16 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
             raise PageError(404, "Unknown rollout", f"No rollout {rid!r} in Redis at {redis_url} "
                                                     f"(prefix {prefix!r}).") from None
 
-    async def group_rollouts(run: Run, gid: str) -> list:
+    async def group_rollouts(gid: str) -> list:
         info = (await store.groups([gid]))[0]
         if info is not None:  # registered by create_rollouts
             return await store.get_rollouts(info.rollout_ids, skip_missing=True)
-        ids = await store.rollout_ids(gid)  # rollouts created without a group record
-        rollouts = [r for r in await store.get_rollouts(ids, skip_missing=True) if r.group_id == gid]
-        if not rollouts:  # ids not derived from the group id: scan the run's rollouts
-            ids = await store.rollout_ids(run.run_id)
-            rollouts = [r for r in await store.get_rollouts(ids, skip_missing=True) if r.group_id == gid]
-        return rollouts
+        # rollouts created without a group record: their own group_id says, never their id
+        return [r for r in await store.get_rollouts(await store.rollout_ids(), skip_missing=True) if r.group_id == gid]
 
     async def group_summary(run: Run, gid: str) -> dict[str, Any]:
         settings = run_settings(run.config)
-        rollouts = await group_rollouts(run, gid)
+        rollouts = await group_rollouts(gid)
         tr = {r.rollout_id: await traces.summary(r, settings) for r in rollouts}
         view = group_view(rollouts, tr, settings)
         return {"group_id": gid, "rollouts": rollouts, "traces": tr, **view,
@@ -187,13 +183,11 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | N
         if not rid:
             raise PageError(400, "Empty search", "Type a rollout id to search for.")
         rollout = await get_rollout(rid)
-        for p in find_runs(runs_dir):
-            if not rid.startswith(p.name):
-                continue
-            run = load_run(p)
-            for m in run.steps:
-                if rollout.group_id in step_groups(m):
-                    return RedirectResponse(rollout_url(run, m["step"], rollout.group_id, rid), status_code=303)
+        info = (await store.groups([rollout.group_id]))[0] if rollout.group_id else None
+        run = find_run(runs_dir, info.run) if info is not None and info.run is not None else None
+        for m in run.steps if run is not None else []:
+            if rollout.group_id in step_groups(m):
+                return RedirectResponse(rollout_url(run, m["step"], rollout.group_id, rid), status_code=303)
         return RedirectResponse(rollout_url(None, None, None, rid), status_code=303)
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse)
