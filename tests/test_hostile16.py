@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from agl_trainer.cli import app
 
+from test_gateway import upstream  # noqa: F401 (fixture)
+
 RUN = "1206-000000-abcd"
 
 
@@ -90,3 +92,170 @@ def test_eval_starts_its_controller_with_preload(monkeypatch, tmp_path):
     with pytest.raises(Started):
         run_eval(cfg, EvalPolicy("base", 0))
     assert seen["preload"] == ["agents", "json"]
+
+
+# ------------------------------------------------------------------ the gateway: one verdict on every route
+ROUTES = (("chat/completions", {}), ("messages", {"max_tokens": 50}), ("responses", "input"))
+
+
+def _answer(change) -> bytes:
+    import orjson
+    from fakes import chat_answer
+
+    a = chat_answer("up", [1, 3], [7, 8, 9, 2])
+    change(a, a["choices"][0]["message"], a["choices"][0])
+    return orjson.dumps(a)
+
+
+def _tool_calls(msg, choice, calls):
+    msg.update(content=None, tool_calls=calls)
+    choice["finish_reason"] = "tool_calls"
+
+
+def _call(i: str, name: str) -> dict:
+    return {"id": i, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+BAD_ANSWERS = {
+    # round 10 refused a message of {}, but an explicit null content passed: 200 with nothing (Anthropic
+    # `content: []`, Responses `output: []`) and an `ok` record of 4 response tokens the agent never saw
+    "null content": lambda a, m, c: m.__setitem__("content", None),
+    # chat passed these on (200, ok); Anthropic and Responses refused them at translation (502)
+    "id a number": lambda a, m, c: a.__setitem__("id", 5),
+    "created a string": lambda a, m, c: a.__setitem__("created", "yesterday"),
+    "system_fingerprint an object": lambda a, m, c: a.__setitem__("system_fingerprint", {}),
+    "total_tokens a string": lambda a, m, c: a["usage"].__setitem__("total_tokens", "x"),
+    "annotations a number": lambda a, m, c: m.__setitem__("annotations", 5),
+    "audio a number": lambda a, m, c: m.__setitem__("audio", 5),
+    "function_call a number": lambda a, m, c: m.__setitem__("function_call", 5),
+    # two tool calls the agent cannot answer apart
+    "two tool calls of one id": lambda a, m, c: _tool_calls(m, c, [_call("c1", "f"), _call("c1", "g")]),
+    # a logprob entry the agent's SDK cannot read (it asked for logprobs)
+    "logprob token a number": lambda a, m, c: c["logprobs"]["content"][0].__setitem__("token", 5),
+    "top_logprobs a number": lambda a, m, c: c["logprobs"]["content"][0].__setitem__("top_logprobs", 5),
+    "bytes a string": lambda a, m, c: c["logprobs"]["content"][0].__setitem__("bytes", "x"),
+}
+GOOD_ANSWERS = {
+    "reasoning only": lambda a, m, c: m.update(content=None, reasoning_content="thinking"),
+    "refusal only": lambda a, m, c: m.update(content=None, refusal="no"),
+    "one tool call, finish stop (a named tool_choice)": lambda a, m, c: m.update(content=None,
+                                                                                 tool_calls=[_call("c1", "f")]),
+    "empty content": lambda a, m, c: m.__setitem__("content", ""),
+}
+
+
+async def test_an_answer_gets_one_verdict_on_every_route(store, redis_url, prefix, upstream):  # noqa: F811
+    """Round 16: each bad answer is a 502 and an ``error`` record on chat, Anthropic and Responses alike; before,
+    chat answered 200 (``ok``) where the translated routes refused, and a null content was ``ok`` everywhere. The
+    good ones pass everywhere. A chat stream's chunks get the same envelope check."""
+    import httpx
+    from test_gateway import gateway, make_rollout
+    from test_hostile6 import _last
+
+    n = 0
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for cases, want in ((BAD_ANSWERS, (502, "error")), (GOOD_ANSWERS, (200, "ok"))):
+                for name, change in cases.items():
+                    upstream.app.state.plan = ("body", 200, _answer(change))
+                    for path, extra in ROUTES:
+                        n += 1
+                        await make_rollout(store, f"r{n}")
+                        body = {"model": "agent-model", "logprobs": True}
+                        body |= {"input": "hi"} if extra == "input" else {
+                            "messages": [{"role": "user", "content": "hi"}], **extra}
+                        r = await c.post(f"{gw.url}/rollouts/r{n}/attempts/0/v1/{path}", json=body)
+                        rec = await _last(store, f"r{n}")
+                        assert (r.status_code, rec.status) == want, (name, path, extra, r.status_code, r.text[:200])
+            for field, value, want in (("id", 5, "error"), ("created", "yesterday", "error"),
+                                       ("system_fingerprint", {}, "error"), ("id", "chatcmpl-1", "ok")):
+                n += 1
+                await make_rollout(store, f"r{n}")
+                upstream.app.state.plan = ("stream", _chunks_with(field, value), "done")
+                await c.post(f"{gw.url}/rollouts/r{n}/attempts/0/v1/chat/completions",
+                             json={"model": "agent-model", "stream": True,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+                assert (await _last(store, f"r{n}")).status == want, (field, value)
+    upstream.app.state.plan = None
+
+
+def _chunks_with(field: str, value) -> list[bytes]:
+    """A chat stream whose second chunk has ``field`` set to ``value``."""
+    import orjson
+    from fakes import chat_chunks
+
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 2])
+    ev = orjson.loads(chunks[1][len(b"data: "):])
+    ev[field] = value
+    return [chunks[0], b"data: " + orjson.dumps(ev) + b"\n\n", *chunks[2:]]
+
+
+async def test_a_streamed_tool_call_that_changes_its_id_is_refused(store, redis_url, prefix, upstream):  # noqa: F811
+    """Round 16: a tool call whose id changed between chunks (``call_A`` then ``call_B``) was recorded ``ok`` with
+    ``call_B``, while the OpenAI SDK's accumulator joins the two (``call_Acall_B``): the agent answers a call the
+    record never made."""
+    import httpx
+    import orjson
+    from fakes import chat_chunks
+    from test_gateway import gateway, make_rollout
+    from test_hostile6 import _last
+
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 2])
+
+    def with_ids(*ids: str) -> list[bytes]:
+        out = [chunks[0]]
+        for k, raw in enumerate(chunks[1:4]):
+            ev = orjson.loads(raw[len(b"data: "):])
+            ch = ev["choices"][0]
+            ch["delta"] = {"tool_calls": [{"index": 0, **({"id": ids[k]} if k < len(ids) else {}),
+                                           "function": {"name": "f" if k == 0 else None, "arguments": "{}"[k:k + 1]}}]}
+            ch["finish_reason"] = "tool_calls" if k == 2 else None
+            out.append(b"data: " + orjson.dumps(ev) + b"\n\n")
+        return out + chunks[4:]
+
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for n, (ids, want) in enumerate(((("call_A", "call_B"), "error"), (("call_A",), "ok"))):
+                await make_rollout(store, f"s{n}")
+                upstream.app.state.plan = ("stream", with_ids(*ids), "done")
+                await c.post(f"{gw.url}/rollouts/s{n}/attempts/0/v1/chat/completions",
+                             json={"model": "agent-model", "stream": True,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+                rec = await _last(store, f"s{n}")
+                assert rec.status == want, (ids, rec.error)
+    upstream.app.state.plan = None
+
+
+# ------------------------------------------------------------------ the controller and the store
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_harness_killed_under_a_shell_fails_as_one_killed_directly(sig):
+    """Round 16: ``bash run.sh`` (the usual wrapper) reports a killed child as exit 128 + N, so a SIGKILLed harness
+    was ``exit_code:137`` (not retried by the default ``retry_on``) where the same harness started directly was
+    ``oom_killed`` (retried)."""
+    import subprocess
+    import sys
+
+    from agl_controller.local import _outcome
+
+    kill = f"import os, signal; os.kill(os.getpid(), signal.{sig})"
+    direct = subprocess.run([sys.executable, "-c", kill]).returncode
+    shell = subprocess.run(["bash", "-c", f"{sys.executable} -c '{kill}'; exit $?"]).returncode
+    assert shell > 128 and direct < 0
+    assert _outcome(shell) == _outcome(direct) == ("oom_killed" if sig == "SIGKILL" else "signal:15")
+    assert (_outcome(1), _outcome(128), _outcome(255)) == ("exit_code:1", "exit_code:128", "exit_code:255")
+
+
+async def test_a_record_with_a_nan_is_refused_not_written_unreadable(store):
+    """Round 16: a NaN (or infinity) in a call record was written as JSON ``null``, and every ``read_calls`` of that
+    rollout then raised. The record is refused before anything is written."""
+    from agl_common.schemas import CallRecord
+
+    await store.create_rollout(Rollout(rollout_id="r1", status=RolloutStatus.running), enqueue=False)
+    for bad in ({"latency_ms": float("nan")}, {"started_at": float("inf")},
+                {"response_token_ids": [5], "response_logprobs": [float("nan")]}):
+        with pytest.raises(ValueError, match="finite"):
+            await store.record_call(CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={},
+                                               response={}, **bad))
+    await store.record_call(CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={},
+                                       response={}))
+    assert [c.seq for c in await store.read_calls("r1")] == [0]

@@ -245,10 +245,11 @@ class CallRecord(BaseModel):
     ``response_token_ids`` and ``response_logprobs`` are aligned: ``len(response_logprobs) ==
     len(response_token_ids)`` whenever logprobs are present. Logprobs are natural-log probabilities
     (float, nats) of each sampled token under the serving policy, as the engine reported them.
-    ``started_at`` / ``ended_at`` are Unix seconds; ``latency_ms`` is milliseconds.
+    ``started_at`` / ``ended_at`` are Unix seconds; ``latency_ms`` is milliseconds. Every float is finite
+    (``ValueError`` otherwise): JSON has no NaN, so a NaN written as ``null`` made the rollout's records unreadable.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     rollout_id: str
     attempt_id: str

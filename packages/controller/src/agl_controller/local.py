@@ -102,11 +102,19 @@ def harness_env(gateway_url: str, rollout: Rollout, model: str, key: str | None)
     return {**mapped, **env}  # the contract's variables are never overwritten by an env_map
 
 
+#: Exit statuses a shell (``bash -c``, ``sh script.sh``) reports for a child killed by signal N: 128 + N.
+_SHELL_SIGNALLED = range(128 + 1, 128 + signal.NSIG)
+
+
 def _outcome(returncode: int) -> str | None:
+    """The failure of a run that exited with ``returncode`` (``None``: success). Killed by a signal directly
+    (negative) or under a shell (128 + N: a harness started as ``bash run.sh`` was ``exit_code:137``, neither
+    named nor retried as the same kill of a plain ``python`` harness): ``oom_killed`` for SIGKILL (what the
+    kernel's OOM killer sends), else ``signal:N``."""
     if returncode == 0:
         return None
-    if returncode < 0:
-        sig = -returncode
+    if returncode < 0 or returncode in _SHELL_SIGNALLED:
+        sig = -returncode if returncode < 0 else returncode - 128
         return "oom_killed" if sig == signal.SIGKILL else f"signal:{sig}"
     return f"exit_code:{returncode}"
 

@@ -183,11 +183,63 @@ def _given(obj: dict[str, Any], name: str, kind: type, what: str) -> Any:
     return value
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_logprob_entry(entry: Any, top: bool) -> None:
+    """:class:`MalformedUpstream` unless ``entry`` is a chat ``logprobs.content`` entry (``top``) or one of its
+    ``top_logprobs`` as the OpenAI SDK types it: a string ``token``, a number ``logprob``, ``bytes`` null or a list
+    of integers, and (``top``) ``top_logprobs`` null or a list of such entries."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str) or not _number(entry.get("logprob")):
+        raise MalformedUpstream("a 'logprobs.content' entry is not a string token with a number logprob")
+    b = entry.get("bytes")
+    if b is not None and (not isinstance(b, list) or b and {type(x) for x in b} != {int}):
+        raise MalformedUpstream("a 'logprobs.content' entry's 'bytes' is not a list of integers")
+    if top:
+        tops = entry.get("top_logprobs")
+        if tops is not None and not isinstance(tops, list):
+            raise MalformedUpstream("a 'logprobs.content' entry's 'top_logprobs' is not a list")
+        for t in tops or []:
+            _check_logprob_entry(t, top=False)
+
+
+#: Top-level fields of an answer (and of each stream chunk) and their types, as OpenAI's SDKs and LiteLLM (the
+#: Anthropic and Responses routes) type them: chat answered 200 what the translated routes refused (502).
+ENVELOPE = {"id": str, "created": int, "system_fingerprint": str}
+#: Message fields beside the text ones, likewise.
+MESSAGE_FIELDS = {"annotations": list, "audio": dict, "function_call": dict}
+
+
+def _typed(obj: dict[str, Any], fields: dict[str, type], where: str) -> None:
+    """:class:`MalformedUpstream` unless each of ``fields`` present in ``obj`` is null or of its type (no bool)."""
+    for name, kind in fields.items():
+        v = obj.get(name)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
+            raise MalformedUpstream(f"'{where}{name}' is not {'an' if kind is int else 'a'} "
+                                    f"{ {str: 'string', int: 'integer', list: 'list', dict: 'object'}[kind]}")
+
+
+def check_envelope(data: dict[str, Any]) -> None:
+    """:class:`MalformedUpstream` unless ``data`` (a complete answer or a stream chunk) has :data:`ENVELOPE`'s
+    types, and its ``usage`` (if any) is an object of integer or null token counts (``*_tokens``). One verdict on
+    every route: before, only the translated routes refused these (at translation)."""
+    _typed(data, ENVELOPE, "")
+    usage = data.get("usage")
+    if usage is None:
+        return
+    if not isinstance(usage, dict):
+        raise MalformedUpstream("'usage' is not an object")
+    for name, v in usage.items():
+        if name.endswith("_tokens") and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise MalformedUpstream(f"'usage.{name}' is not an integer")
+
+
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
-    ``reasoning_content`` and ``reasoning`` strings or null, its ``tool_calls`` (if any) objects with a
-    non-empty ``id``, ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
+    ``reasoning_content`` and ``reasoning`` strings or null (one of these, ``content`` or a tool call given), its
+    ``tool_calls`` (if any) objects with a non-empty ``id`` (no two alike), ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
     string ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on
     both, ``logprobs`` null or an object whose lists are lists. Complete answers and streams
     (:meth:`StreamCapture.result`) are checked alike."""
@@ -196,6 +248,9 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
     if lp is not None and (not isinstance(lp, dict) or any(lp.get(k) is not None and not isinstance(lp[k], list)
                                                              for k in lists)):
         raise MalformedUpstream(f"choice {choice.get('index', 0)}'s 'logprobs' is not an object of lists")
+    if route == "chat" and lp is not None:
+        for entry in lp.get("content") or []:
+            _check_logprob_entry(entry, top=True)
     if route == "completions":
         if not isinstance(choice.get("text"), str):
             raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no text")
@@ -208,9 +263,11 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
             raise MalformedUpstream(f"'message.{field}' is not a string")
     if message.get("role", "assistant") != "assistant":
         raise MalformedUpstream(f"'message.role' is {message['role']!r:.30}, not 'assistant'")
+    _typed(message, MESSAGE_FIELDS, "message.")
     calls = message.get("tool_calls")
-    if "content" not in message and not calls:  # (translated: Anthropic `content: []`, Responses `output: []`)
-        raise MalformedUpstream("the message holds neither content nor tool calls")
+    if message.get("content") is None and not calls and all(message.get(f) is None for f in TEXT_FIELDS):
+        # (translated: Anthropic `content: []`, Responses `output: []`; the agent read nothing the tokens said)
+        raise MalformedUpstream("the message holds neither content, text nor tool calls")
     if choice.get("finish_reason") == "tool_calls" and not calls:
         raise MalformedUpstream("finish reason 'tool_calls' without a tool call")
     if calls is None:
@@ -228,16 +285,18 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
             raise MalformedUpstream("a tool call in 'message.tool_calls' has no id")
         if tc.get("type", "function") != "function":
             raise MalformedUpstream(f"a tool call of type {tc.get('type')!r:.30} (only 'function' is one)")
+    ids = [tc["id"] for tc in calls]
+    if len(set(ids)) < len(ids):  # the agent answers each call by its id: two of one id cannot both be answered
+        raise MalformedUpstream(f"two tool calls share an id: {next(i for i in ids if ids.count(i) > 1)!r:.40}")
 
 
 def capture_answer(route: str, data: dict[str, Any], n: int = 1) -> Captured:
     """:class:`Captured` of a complete answer (``route``: ``"chat"`` or ``"completions"``, the engine's
     answer shape) to a request for ``n`` choices: another number of choices is no answer (an extra choice would
     reach the agent, merged into its message by the translated routes, though the record holds choice 0 only).
-    Raises :class:`MalformedUpstream` for fields of the wrong type."""
+    Raises :class:`MalformedUpstream` for fields of the wrong type (:func:`check_envelope`, :func:`check_choice`)."""
+    check_envelope(data)
     usage = data.get("usage")
-    if usage is not None and not isinstance(usage, dict):
-        raise MalformedUpstream("'usage' is not an object")
     choices = ordered_choices(data)
     first = choices[0] if choices else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
@@ -361,6 +420,7 @@ class StreamCapture:
             if not chunk["error"]:  # "" or {}: an SDK raises only for a truthy error, and would read on
                 chunk = {**chunk, "error": {"message": cap.error, "type": "server_error", "code": None}}
             return chunk, 0
+        check_envelope(chunk)
         self.first = self.first or chunk
         prompt = int_list(chunk.pop("prompt_token_ids", None), "prompt_token_ids")
         if prompt and cap.prompt_token_ids and prompt != cap.prompt_token_ids:
@@ -418,6 +478,9 @@ class StreamCapture:
                     raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
                 acc = self.tool_calls.setdefault(index, {
                     "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if tc.get("id") and acc["id"] and tc["id"] != acc["id"]:  # (the OpenAI SDK joins the two)
+                    raise MalformedUpstream(f"tool call {index} changed its id from {acc['id']!r:.40} to "
+                                            f"{tc['id']!r:.40}")
                 acc["id"] = tc.get("id") or acc["id"]
                 acc["function"]["name"] += fn.get("name") or ""
                 acc["function"]["arguments"] += fn.get("arguments") or ""
