@@ -189,9 +189,11 @@ def _number(x: Any) -> bool:
 
 def _check_logprob_entry(entry: Any, top: bool) -> None:
     """:class:`MalformedUpstream` unless ``entry`` is a chat ``logprobs.content`` entry (``top``) or one of its
-    ``top_logprobs`` as the OpenAI SDK types it: a string ``token``, a number ``logprob``, ``bytes`` null or a list
-    of integers, and (``top``) ``top_logprobs`` null or a list of such entries."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str) or not _number(entry.get("logprob")):
+    ``top_logprobs`` as the OpenAI SDK types it: an object, a string ``token``, a number ``logprob``, ``bytes``
+    null or a list of integers, and (``top``) ``top_logprobs`` null or a list of such entries. A missing or null ``token`` or
+    ``logprob`` passes here: :func:`token_logprobs` makes that an error record (the agent still gets its answer)."""
+    if not isinstance(entry, dict) or entry.get("token") is not None and not isinstance(entry["token"], str) \
+            or entry.get("logprob") is not None and not _number(entry["logprob"]):
         raise MalformedUpstream("a 'logprobs.content' entry is not a string token with a number logprob")
     b = entry.get("bytes")
     if b is not None and (not isinstance(b, list) or b and {type(x) for x in b} != {int}):
@@ -222,27 +224,23 @@ def _typed(obj: dict[str, Any], fields: dict[str, type], where: str) -> None:
 
 def check_envelope(data: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``data`` (a complete answer or a stream chunk) has :data:`ENVELOPE`'s
-    types, and its ``usage`` (if any) is an object of integer or null token counts (``*_tokens``). One verdict on
-    every route: before, only the translated routes refused these (at translation)."""
+    types and its ``usage`` is an object or null. One verdict on every route: before, only the translated routes
+    refused these (at translation). Usage counts of another type stay what round 9 made them: the agent gets
+    its answer on chat, the record is an error (:func:`check`)."""
     _typed(data, ENVELOPE, "")
-    usage = data.get("usage")
-    if usage is None:
-        return
-    if not isinstance(usage, dict):
+    if data.get("usage") is not None and not isinstance(data["usage"], dict):
         raise MalformedUpstream("'usage' is not an object")
-    for name, v in usage.items():
-        if name.endswith("_tokens") and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise MalformedUpstream(f"'usage.{name}' is not an integer")
 
 
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
     ``reasoning_content`` and ``reasoning`` strings or null (one of these, ``content`` or a tool call given), its
-    ``tool_calls`` (if any) objects with a non-empty ``id`` (no two alike), ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and
-    string ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on
-    both, ``logprobs`` null or an object whose lists are lists. Complete answers and streams
-    (:meth:`StreamCapture.result`) are checked alike."""
+    :data:`MESSAGE_FIELDS` of their types, its ``tool_calls`` (if any) objects with a non-empty ``id`` (no two
+    alike), ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and string
+    ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on both,
+    ``logprobs`` null or an object whose lists are lists (chat: of :func:`_check_logprob_entry` entries).
+    Complete answers and streams (:meth:`StreamCapture.result`) are checked alike."""
     lp = choice.get("logprobs")  # what an agent that asked for logprobs reads: the shape its SDK parses
     lists = ("tokens", "token_logprobs", "top_logprobs", "text_offset") if route == "completions" else ("content",)
     if lp is not None and (not isinstance(lp, dict) or any(lp.get(k) is not None and not isinstance(lp[k], list)
