@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from agl_trainer.cli import app
 
+from test_controller import gateway_url  # noqa: F401 (fixture)
 from test_gateway import upstream  # noqa: F401 (fixture)
 
 RUN = "1206-000000-abcd"
@@ -258,3 +259,25 @@ async def test_a_record_with_a_nan_is_refused_not_written_unreadable(store):
     await store.record_call(CallRecord(rollout_id="r1", attempt_id="0", seq=-1, route="chat", request={},
                                        response={}))
     assert [c.seq for c in await store.read_calls("r1")] == [0]
+
+
+async def test_what_a_run_leaves_behind_cannot_overrule_the_judge(store, gateway_url, tmp_path, monkeypatch):
+    """Round 16: a process the harness left behind (setsid, a double fork: a model's shell tool can) kept the
+    attempt's key until the attempt ended. (1) The judge's reward was written in one step and the attempt ended in
+    a later one: its reward posted between the two stood, under ``--reward-fn-always`` (3 of 8 in a probe).
+    (2) Its model calls recorded while the judge ran were trained with the judge's reward, on an answer it never
+    saw. Now the judge's reward is written in the step that ends the attempt, and that step requires the calls
+    the judge saw to be all there are (else ``calls_after_exit``)."""
+    from pathlib import Path
+
+    from test_controller import run
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    inputs = {f"spam{i}": {"calls": 1, "left_behind": "reward", "judge_s": 0.3} for i in range(4)}
+    inputs["late"] = {"calls": 1, "reward": 1.0, "left_behind": "calls", "judge_s": 1.5}
+    out = await run(store, gateway_url, tmp_path, inputs, reward_fn="rewards:slow", reward_fn_always=True)
+    for i in range(4):
+        r = out[f"spam{i}"]
+        assert (r.status, r.reward, r.reward_message) == (RolloutStatus.succeeded, 1.0, None), r
+    assert (out["late"].status, out["late"].failure) == (RolloutStatus.failed, "calls_after_exit")
+    assert len(await store.read_calls("late")) > 1

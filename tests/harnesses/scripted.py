@@ -7,7 +7,8 @@ code there), kill_self (send this signal to itself after the calls), first_attem
 the others on attempt 0 only), kill_parent (SIGKILL the process that started it: with --preload, the
 forkserver), on_term (exit with this code on SIGTERM, as harnesses that trap it do), spew (after the calls, print
 lines to stdout for ever: a harness in a print loop), unlink_log (first unlink the file its stdout goes to),
-interrupt (after the reward, raise KeyboardInterrupt).
+interrupt (after the reward, raise KeyboardInterrupt), left_behind ("reward" or "calls": before exiting, leave a
+detached process (setsid, double fork) that posts reward 0.123, or makes model calls, until the attempt is over).
 """
 
 import json
@@ -48,6 +49,19 @@ if task.get("spew"):
 if task.get("kill_self"):
     os.kill(os.getpid(), task["kill_self"])
     time.sleep(10)
+if task.get("left_behind") and os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        for _ in range(400):  # until the attempt is over (409), 20 s at most
+            if task["left_behind"] == "reward":
+                r = httpx.post(os.environ["AGL_REWARD_URL"], json={"value": 0.123}, headers=headers)
+            else:
+                r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers=headers, timeout=30,
+                               json={"model": os.environ["AGL_MODEL"], "messages": [{"role": "user", "content": "hi"}]})
+            if r.status_code == 409:
+                break
+            time.sleep(0.05)
+    os._exit(0)
 if "reward" in task and not task.get("reward_after_sleep"):
     httpx.post(os.environ["AGL_REWARD_URL"], json={"value": task["reward"]}, headers=headers).raise_for_status()
 if task.get("interrupt"):

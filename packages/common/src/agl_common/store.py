@@ -197,6 +197,10 @@ class RolloutNotFound(KeyError):
     """No rollout with this id exists."""
 
 
+class CallsRecordedSince(RuntimeError):
+    """An attempt holds other records than the caller saw (:meth:`Store.update_rollout` ``calls_seen``)."""
+
+
 class LayoutError(RuntimeError):
     """The database holds keys of another layout version under this prefix (see docs/operations.md)."""
 
@@ -514,10 +518,14 @@ class Store:
         ids = [i.decode() for i in await self.r.zrange(self.key("rollouts"), 0, limit - 1)]
         return await self.get_rollouts(ids)
 
-    async def update_rollout(self, rollout_id: str, change: Callable[[Rollout], None]) -> Rollout:
+    async def update_rollout(self, rollout_id: str, change: Callable[[Rollout], None],
+                             calls_seen: tuple[str, int] | None = None) -> Rollout:
         """Apply ``change`` to the stored rollout atomically (optimistic WATCH/MULTI, retried).
 
         ``change`` mutates the rollout in place and may raise to abort (nothing is written).
+        ``calls_seen=(attempt_id, n)``: only if that attempt still holds exactly ``n`` records (its call counter
+        is watched too), else :class:`CallsRecordedSince` and nothing is written: the controller ends a run
+        only on the calls its judge saw.
         A changed ``status`` is checked against the state machine here, in one place. A move to
         succeeded/failed is then announced on ``P {E}:completed`` (:meth:`announce_completed`): a second
         write, since the rollout's slot and the stream's differ on a cluster. A process that dies between
@@ -527,10 +535,13 @@ class Store:
         async with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(key)
+                    seq_key = None if calls_seen is None else self.rollout_key("seq", rollout_id, calls_seen[0])
+                    await pipe.watch(key, *([seq_key] if seq_key else []))
                     raw = await pipe.get(key)
                     if raw is None:
                         raise RolloutNotFound(rollout_id)
+                    if seq_key and int(await pipe.get(seq_key) or 0) != calls_seen[1]:
+                        raise CallsRecordedSince(rollout_id, calls_seen[0])
                     rollout = Rollout.model_validate_json(raw)
                     old_status = rollout.status
                     change(rollout)

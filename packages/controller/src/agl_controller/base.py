@@ -29,10 +29,11 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 from agl_common.aio import wait_until
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_rollout_id
-from agl_common.store import RolloutNotFound, Store
+from agl_common.store import CallsRecordedSince, RolloutNotFound, Store
 
 from .reward import RewardFunctionError, RewardPool, load_reward_fn  # noqa: F401 (re-exported)
 
@@ -319,27 +320,17 @@ class Runner:
             failure = "no_model_calls"
         rollout = await self.store.get_rollout(rollout_id)
         current(rollout)
+        judged: float | None = None
         if failure is None and self.reward_fn is not None and (rollout.reward is None or self.reward_fn_always):
-            posted = rollout.reward
             try:
                 # in a worker process: a slow judge, a test run or a GIL-holding regex must not freeze the event
                 # loop (lease renewals, other runs' outcomes): a frozen loop let the lease expire and another
                 # controller end them (agl_controller.reward)
-                value = await self.reward_fn.score(rollout.input, final_output(calls), self.reward_timeout_s)
+                judged = await self.reward_fn.score(rollout.input, final_output(calls), self.reward_timeout_s)
             except (RewardFunctionError, TimeoutError) as exc:  # TimeoutError: past reward_timeout_s
                 log.warning("reward function failed on %s: %r", rollout_id, exc)
                 failure = "reward_error"
-            else:
-                posted_message = rollout.reward_message
-
-                def set_reward(r: Rollout) -> None:
-                    current(r)
-                    r.reward, r.reward_message = value, None  # a posted message goes with the posted value
-                rollout = await self.store.update_rollout(rollout_id, set_reward)
-                if posted is not None:
-                    await self.store.add_event(rollout_id, attempt_id, "reward_replaced",
-                                               {"posted": posted, "message": posted_message, "reward_fn": value})
-        if failure is None and rollout.reward is None:
+        if failure is None and rollout.reward is None and judged is None:
             failure = "no_reward"
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
             rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
@@ -349,12 +340,29 @@ class Runner:
                      rollout.attempt_id)
             return rollout
 
+        replaced: dict[str, Any] = {}
+
         def end(r: Rollout) -> None:
             current(r)
+            replaced.clear()
+            if judged is not None and not failure:  # in the step that ends the attempt: a process the run left
+                # behind (setsid) can no longer post over the judge between the two (its key works until then)
+                if r.reward is not None:
+                    replaced.update(posted=r.reward, message=r.reward_message, reward_fn=judged)
+                r.reward, r.reward_message = judged, None  # a posted message goes with the posted value
             r.status = RolloutStatus.failed if failure else RolloutStatus.succeeded
             r.ended_at = time.time()
             r.failure = failure
 
-        rollout = await self.store.update_rollout(rollout_id, end)
+        try:  # only on the calls the judge (and the check above) saw: none recorded since by what the run left
+            rollout = await self.store.update_rollout(rollout_id, end,
+                                                      calls_seen=(attempt_id, len(calls)) if check_calls else None)
+        except CallsRecordedSince:
+            log.warning("rollout %s attempt %s: calls were recorded after its harness exited", rollout_id,
+                        attempt_id)
+            failure = "calls_after_exit"
+            rollout = await self.store.update_rollout(rollout_id, end)
+        if replaced:
+            await self.store.add_event(rollout_id, attempt_id, "reward_replaced", replaced)
         await self.store.release_claim(self.controller_id, rollout_id)
         return rollout
