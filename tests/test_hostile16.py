@@ -281,3 +281,34 @@ async def test_what_a_run_leaves_behind_cannot_overrule_the_judge(store, gateway
         assert (r.status, r.reward, r.reward_message) == (RolloutStatus.succeeded, 1.0, None), r
     assert (out["late"].status, out["late"].failure) == (RolloutStatus.failed, "calls_after_exit")
     assert len(await store.read_calls("late")) > 1
+
+
+async def test_the_store_refuses_what_the_gateway_never_writes(store, tmp_path):
+    """Round 16: ``Store.record_call`` (in-process writers) took ``ok`` records with 4 response ids and 2 logprobs,
+    a logprob of 5.0, ids of 2**64 (an export then ended in an ``OverflowError``); a ``Rollout`` with
+    ``created_at=inf`` was written as ``null`` and every listing of the prefix failed from then on; a task input
+    holding NaN was stored as ``null``. Each is refused before anything is written."""
+    from agl_common.schemas import CallRecord
+    from agl_trainer.tasks import TaskError, load_tasks
+
+    await store.create_rollout(Rollout(rollout_id="r1", status=RolloutStatus.running), enqueue=False)
+    base = {"rollout_id": "r1", "attempt_id": "0", "seq": -1, "route": "chat", "request": {}, "response": {},
+            "prompt_token_ids": [1, 2]}
+    for bad, says in (({"response_token_ids": [5, 6, 7, 8], "response_logprobs": [-0.1, -0.2]}, "2 logprobs for 4"),
+                      ({"response_token_ids": [5], "response_logprobs": [5.0]}, "not a log-probability"),
+                      ({"response_token_ids": [2**64 + 5], "status": "error"}, "out of range"),
+                      ({"response_token_ids": [-5]}, "out of range")):
+        with pytest.raises(ValueError, match=says):
+            await store.record_call(CallRecord(**base, **bad))
+    assert await store.read_calls("r1") == []
+    # an error record may say why its logprobs are odd; an ok one without logprobs is the gateway's "no logprobs"
+    await store.record_call(CallRecord(**base, response_token_ids=[5], response_logprobs=[-0.1, 0.0],
+                                       status="error", error="x"))
+    for bad in ({"created_at": float("inf")}, {"reward": float("nan")}, {"ended_at": float("-inf")}):
+        with pytest.raises(ValueError, match="finite"):
+            Rollout(rollout_id="r2", **bad)
+    with pytest.raises(ValueError, match="finite"):
+        GroupInfo(group_id="g", rollout_ids=[], created_at=float("nan"))
+    (tmp_path / "nan_task.py").write_text("def train_problems():\n    return [{'answer': float('nan')}]\n")
+    with pytest.raises(TaskError, match="item 0 .*NaN or infinity"):
+        load_tasks(tmp_path / "nan_task.py", "train_problems")

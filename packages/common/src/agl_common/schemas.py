@@ -172,7 +172,10 @@ def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 class Rollout(BaseModel):
-    """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group."""
+    """One run of the harness on one input; ``group_id`` ties the n rollouts of a GRPO group. Its floats are
+    finite (``ValueError`` otherwise: JSON has no NaN; one written as ``null`` made every listing fail)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     rollout_id: str
     input: dict[str, Any] = Field(default_factory=dict)
@@ -215,8 +218,10 @@ class GroupInfo(BaseModel):
     trains (evaluations). A restarted trainer adopts the groups it owns from this record, never from ids.
     ``run`` is the run the group belongs to, its evaluations included (a trainer run's id, or an ``eval-...``
     directory's name): ``rollouts list/export --run`` and the dashboard select a run's rollouts by it
-    (:meth:`agl_common.store.Store.run_rollout_ids`), never by id prefix. ``None``: no run.
+    (:meth:`agl_common.store.Store.run_rollout_ids`), never by id prefix. ``None``: no run. Floats are finite.
     """
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     group_id: str
     rollout_ids: list[str]
@@ -237,6 +242,35 @@ class GroupInfo(BaseModel):
 
 
 Route = Literal["chat", "completions", "messages", "responses"]
+
+
+#: Token ids a record may hold: ``[0, 2**31)`` (every vocabulary fits; torch, Parquet and the trainer's int64
+#: tensors take them).
+TOKEN_ID_LIMIT = 2**31
+#: A sampled token's logprob is at most 0 (this much above it is float rounding) and above vLLM's floor for -inf
+#: (``max(logprob, -9999.0)`` in its OpenAI server): a token the engine gave probability 0 cannot have been sampled.
+LOGPROB_CEILING = 1e-3
+LOGPROB_FLOOR = -9999.0
+
+
+def record_fault(record: CallRecord) -> str | None:
+    """Why ``record`` breaks the rules the gateway keeps for every record it writes, or ``None``: token ids in
+    ``[0, TOKEN_ID_LIMIT)`` (any status); for an ``ok`` record also one logprob per response token id (or none),
+    each in ``(LOGPROB_FLOOR, LOGPROB_CEILING]``. :meth:`agl_common.store.Store.record_call` (in-process writers)
+    refuses such a record; the gateway writes none (``agl_gateway.capture.check``)."""
+    bad = next((t for t in (*record.prompt_token_ids, *record.response_token_ids) if not 0 <= t < TOKEN_ID_LIMIT),
+               None)
+    if bad is not None:
+        return f"token id {bad} out of range (0 to {TOKEN_ID_LIMIT - 1})"[:200]
+    lps = record.response_logprobs
+    if record.status != "ok" or lps is None:
+        return None
+    if len(lps) != len(record.response_token_ids):
+        return f"{len(lps)} logprobs for {len(record.response_token_ids)} response token ids"
+    bad_lp = next((x for x in lps if not LOGPROB_FLOOR < x <= LOGPROB_CEILING), None)
+    if bad_lp is not None:
+        return f"logprob {bad_lp!r} is not a log-probability of a sampled token"
+    return None
 
 
 class CallRecord(BaseModel):

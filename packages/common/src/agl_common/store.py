@@ -86,6 +86,7 @@ from .schemas import (
     TERMINAL,
     check_rollout_id,
     check_transition,
+    record_fault,
 )
 from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, redacted_url
 
@@ -621,9 +622,13 @@ class Store:
         """Assign the next ``seq`` of the attempt and append the record to the rollout's stream.
 
         One atomic server-side script (one round trip): the counter and the stream never disagree, even if
-        the gateway dies mid-call. Returns once Redis has acknowledged the write (and, with
+        the gateway dies mid-call. Raises ``ValueError`` (nothing written) for a record that breaks the rules the
+        gateway keeps (:func:`agl_common.schemas.record_fault`). Returns once Redis has acknowledged the write (and, with
         ``wait_replicas``, once that many replicas hold it).
         """
+        why = record_fault(record)
+        if why:
+            raise ValueError(f"call record of {record.rollout_id!r} refused: {why}")
         record.seq = -1
         record.seq = await self.record_call_json(record.rollout_id, record.attempt_id,
                                                  record.model_dump_json().encode())

@@ -11,16 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl_common.schemas import MAX_JSON_DEPTH, too_deep
+from agl_common.schemas import LOGPROB_CEILING, LOGPROB_FLOOR, MAX_JSON_DEPTH, TOKEN_ID_LIMIT, too_deep
 from pydantic import TypeAdapter, ValidationError
-
-#: Token ids a record may hold: ``[0, 2**31)`` (every vocabulary fits; torch, Parquet and the trainer's int64
-#: tensors take them).
-TOKEN_ID_LIMIT = 2**31
-#: A sampled token's logprob is at most 0 (this much above it is float rounding) and above vLLM's floor for -inf
-#: (``max(logprob, -9999.0)`` in its OpenAI server): a token the engine gave probability 0 cannot have been sampled.
-LOGPROB_CEILING = 1e-3
-LOGPROB_FLOOR = -9999.0
 
 
 class MalformedUpstream(ValueError):

@@ -7,11 +7,11 @@ import time
 from typing import Any
 
 import orjson
-from agl_common.schemas import CallRecord, Policy
+from agl_common.schemas import TOKEN_ID_LIMIT, CallRecord, Policy
 from agl_common.store import RecordRefused
 from redis.exceptions import RedisError
 
-from .capture import TOKEN_ID_LIMIT, Captured, check
+from .capture import Captured, check
 from .errors import ApiError, store_down
 from .state import GatewayState
 

@@ -6,6 +6,7 @@ Imported once per use; every fault of the user's file is a :class:`TaskError` th
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,6 +65,10 @@ def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
             # as a rollout stores it (pydantic: a Decimal, a Path, a set become JSON), then as Redis reads it back
             if (big := long_integer(Rollout(rollout_id="check", input=task).model_dump_json())) is not None:
                 raise TypeError(f"the integer {big} is beyond 64 bits (it would be stored bent)")
+            try:  # pydantic writes NaN and infinity as null: the harness would read null where the task has NaN
+                json.dumps(task, allow_nan=False, default=lambda _: None)
+            except ValueError:
+                raise ValueError("it holds NaN or infinity, which JSON cannot (it would be stored as null)") from None
         except (TypeError, ValueError, PydanticSerializationError) as exc:
             raise TaskError(f"task file {task_file}: {fn}() item {i} is not a JSON object: {exc}") from None
     return tasks
