@@ -312,3 +312,21 @@ async def test_the_store_refuses_what_the_gateway_never_writes(store, tmp_path):
     (tmp_path / "nan_task.py").write_text("def train_problems():\n    return [{'answer': float('nan')}]\n")
     with pytest.raises(TaskError, match="item 0 .*NaN or infinity"):
         load_tasks(tmp_path / "nan_task.py", "train_problems")
+
+
+async def test_a_harness_cannot_post_the_controllers_events(store, redis_url, prefix, upstream):  # noqa: F811
+    """Round 16: a harness posted ``reward_replaced {"reward_fn": 1.0}`` and ``attempt_failed {"failure":
+    "oom_killed"}`` beside the controller's own, which nothing told apart. Those types are the controller's: 400."""
+    import httpx
+    from agl_common.schemas import CONTROLLER_EVENTS
+    from test_gateway import gateway, make_rollout
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for kind in sorted(CONTROLLER_EVENTS):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/events", json={"type": kind, "data": {}})
+                assert r.status_code == 400 and "controller's" in r.text, (kind, r.status_code, r.text)
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/events", json={"type": "tool_result", "data": {}})
+            assert r.status_code == 200, r.text
+    assert [e["type"] for e in await store.read_events("r1")] == ["tool_result"]

@@ -94,11 +94,11 @@ def test_show_and_the_dashboard_list_the_harness_events(opts, redis_url, prefix,
     asyncio.run(post())
     res = CliRunner().invoke(app, ["rollouts", "show", "team-0", *opts])
     assert res.exit_code == 0, res.output
-    assert "61 event(s) posted by the harness, the last 50:" in res.stdout
+    assert "61 event(s) posted by the harness and the controller, the last 50:" in res.stdout
     assert 'step {"k":59}' in res.stdout and 'step {"k":9}' not in res.stdout and "\x1b" not in res.stdout
     shown = json.loads(CliRunner().invoke(app, ["rollouts", "show", "team-0", "--json", *opts]).stdout)
     assert len(shown["events"]) == 61 and shown["events"][0]["data"]["name"] == "<script>x</script>"
     with TestClient(create_app(redis_url, prefix, tmp_path), base_url="http://127.0.0.1") as c:
         page = c.get("/rollouts/team-0").text
-    assert "61 posted by the harness, the last 50 shown" in page and "{&#34;k&#34;:59}" in page
+    assert "61 posted by the harness and the controller, the last 50 shown" in page and "{&#34;k&#34;:59}" in page
     assert "<script>x" not in page

@@ -440,8 +440,13 @@ class RewardIn(BaseModel):
         return check_reward(v)
 
 
+#: Event types only the controller writes (a retried or interrupted attempt, a posted reward its reward function
+#: replaced); ``POST .../events`` refuses them, so a harness cannot forge the controller's record of its run.
+CONTROLLER_EVENTS = frozenset({"attempt_failed", "attempt_interrupted", "reward_replaced"})
+
+
 class EventIn(BaseModel):
-    """Body of ``POST .../events``."""
+    """Body of ``POST .../events``: a harness's event (not one of :data:`CONTROLLER_EVENTS`)."""
 
     model_config = ConfigDict(extra="forbid")
     type: str = Field(max_length=EVENT_TYPE_MAX)
@@ -454,6 +459,8 @@ class EventIn(BaseModel):
         characters that a terminal or a log reader would act on (``str.isprintable``)."""
         if not v.strip() or not v.isprintable():
             raise ValueError(f"an event type is printable text, got {v!r:.60}")
+        if v in CONTROLLER_EVENTS:
+            raise ValueError(f"event type {v!r} is the controller's (reserved: {', '.join(sorted(CONTROLLER_EVENTS))})")
         return v
 
 

@@ -538,8 +538,8 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
     if not rows:
         console.print("no training row: no usable call in the current attempt")
     shown = event_lines(events)
-    console.print(f"{n_events} event(s) posted by the harness" + (f", the last {len(shown)}:" if len(shown) <
-                                                                    n_events else ":" if n_events else ""))
+    tail = f", the last {len(shown)}:" if len(shown) < n_events else ":" if n_events else ""
+    console.print(f"{n_events} event(s) posted by the harness and the controller{tail}")
     for e in shown:
         console.print(escape(printable(f"event {e['attempt']} {e['time']} {e['type']} {e['data']}")))
 
