@@ -330,3 +330,27 @@ async def test_a_harness_cannot_post_the_controllers_events(store, redis_url, pr
             r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/events", json={"type": "tool_result", "data": {}})
             assert r.status_code == 200, r.text
     assert [e["type"] for e in await store.read_events("r1")] == ["tool_result"]
+
+
+def test_a_misspelt_harness_script_or_module_is_one_line_before_anything_starts(tmp_path, monkeypatch, redis_url):
+    """Round 16: ``python examples/arithmetic/agnet.py`` (and ``python -m not_a_module``, a directory) passed every
+    start-up check: each run then failed ``spawn_error`` (retried) or ``exit_code:1``, a train run only after vLLM
+    had started. Now the trainer's check and ``agl-controller run`` refuse it at once."""
+    import sys
+
+    from agl_controller.cli import app as controller_app
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.tasks import TaskError, check_controller_imports
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "agent.py").write_text("print('hi')\n")
+    (tmp_path / "agents").mkdir()
+    for command, says in (("python agnet.py", "agnet.py' is not a file"), ("python agents", "agents' is not a file"),
+                          ("python -m not_a_module_xyz", "not_a_module_xyz' is not found")):
+        with pytest.raises(TaskError, match=says):
+            check_controller_imports(TrainConfig(command=command, preload=[]))
+        res = CliRunner().invoke(controller_app, ["run", "--mode", "local", "--command", f"{sys.executable} "
+                                                  + command.partition(" ")[2], "--redis", redis_url, "--gateway", "http://127.0.0.1:9"])
+        assert res.exit_code == 2 and says in res.output, res.output
+    check_controller_imports(TrainConfig(command="python agent.py", preload=[]))  # what is there passes
+    check_controller_imports(TrainConfig(command="python -m json.tool", preload=[]))

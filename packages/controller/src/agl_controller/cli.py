@@ -154,10 +154,17 @@ def run(
         check_redis_url(redis)
         check_gateway_url(gateway, "--gateway")
         if command:
-            program = command_argv(command)[0]  # an unclosed quote, nothing to run: ValueError
-            if mode == "local" and shutil.which(program) is None:
-                raise ValueError(f"--command: program {program!r} not found (on PATH, or as a path from "
+            argv = command_argv(command)  # an unclosed quote, nothing to run: ValueError
+            if mode == "local" and shutil.which(argv[0]) is None:
+                raise ValueError(f"--command: program {argv[0]!r} not found (on PATH, or as a path from "
                                  f"{os.getcwd()}); every run would fail as spawn_error")
+            if mode == "local":
+                from .spawn import LaunchError, check_command
+
+                try:
+                    check_command(argv, found=True)
+                except LaunchError as exc:
+                    raise ValueError(f"--command: {exc}; every run would fail") from None
         if reward_fn:
             load_reward_fn(reward_fn)
         if not (0 < timeout <= MAX_SECONDS):  # (NaN fails too) beyond: Redis and Kubernetes refuse the value

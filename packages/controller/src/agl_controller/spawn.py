@@ -154,16 +154,42 @@ def _start_forkserver(env: dict[str, str]) -> None:
             os.putenv(key, value)
 
 
+def _check_python_target(command: list[str]) -> None:
+    """:class:`LaunchError` if ``command`` runs Python (its program's name starts with ``python``) on a script that
+    is not a file, or on a ``-m`` module not found from the working directory (as ``python -m`` looks: the working
+    directory first). Other programs, and Python options before the target, are not looked into."""
+    import importlib.util
+
+    if not Path(command[0]).name.startswith("python") or len(command) < 2:
+        return
+    if command[1] == "-m" and len(command) > 2:
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(command[2]) is not None
+        except (ImportError, ValueError):  # a parent package that does not import
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+        if not found:
+            raise LaunchError(f"the harness module {command[2]!r:.80} is not found from {os.getcwd()}")
+    elif not command[1].startswith("-") and not Path(command[1]).is_file():
+        raise LaunchError(f"the harness script {command[1]!r:.80} is not a file (from {os.getcwd()})")
+
+
 def check_command(command: list[str], preload: list[str] | None = None, found: bool = False) -> None:
     """Raise :class:`LaunchError` if ``command`` (an argv) cannot be started as the :class:`Launcher` would: with
     ``preload``, a command other than ``PYTHON SCRIPT ...`` or ``PYTHON -m MODULE ...`` run by this process's own
     interpreter (the forkserver is this interpreter), without interpreter options; with ``found``, a program that is
-    not found (else each run fails ``spawn_error``). The trainer checks with both before anything starts."""
+    not found, and for a Python program (``python...``) a ``SCRIPT`` that is not a file or a ``-m MODULE`` not
+    found from the working directory (else each run fails ``spawn_error`` or ``exit_code:1``, retried). The trainer
+    and ``agl-controller run`` check with ``found`` before anything starts."""
     if not command:
         raise LaunchError("the harness command names no program")
     if found and not shutil.which(command[0]) and not (os.sep in command[0] and Path(command[0]).is_file()):
         raise LaunchError(f"the harness program {command[0]!r:.80} is not found (PATH, or a path from the working "
                           "directory)")
+    if found:
+        _check_python_target(command)
     if not [m for m in (preload or []) if m]:
         return
     if len(command) < 2 or (command[1] == "-m" and len(command) < 3):
