@@ -354,3 +354,18 @@ def test_a_misspelt_harness_script_or_module_is_one_line_before_anything_starts(
         assert res.exit_code == 2 and says in res.output, res.output
     check_controller_imports(TrainConfig(command="python agent.py", preload=[]))  # what is there passes
     check_controller_imports(TrainConfig(command="python -m json.tool", preload=[]))
+
+
+def test_an_out_dir_that_takes_no_run_directory_is_one_line(tmp_path):
+    """Round 16: ``out_dir: /proc`` exists, so the start-up check passed, and making the run's directory in it was
+    a ``FileNotFoundError`` traceback. The check now makes (and removes) a directory there first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = tmp_path / "proc.yaml"
+    cfg.write_text("out_dir: /proc\n")
+    out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "out_dir /proc" in out.stderr, out.stderr[-800:]
+    assert not list(Path(tmp_path).glob(".agl-check-*"))

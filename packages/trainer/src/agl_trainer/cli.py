@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import typer
@@ -116,8 +117,9 @@ def _check_task(cfg, train: bool = True) -> None:
         check_task(cfg, train)
         if cfg.backend != "verl":
             check_controller_imports(cfg)
-        try:
+        try:  # and a run's directory can be made in it (/proc exists, but takes none: a traceback at the start)
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            Path(tempfile.mkdtemp(prefix=".agl-check-", dir=cfg.out_dir)).rmdir()
         except OSError as exc:
             raise TaskError(f"out_dir {cfg.out_dir}: {exc.strerror or exc}") from None
     except TaskError as exc:
