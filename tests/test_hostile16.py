@@ -369,3 +369,20 @@ def test_an_out_dir_that_takes_no_run_directory_is_one_line(tmp_path):
                          timeout=120, cwd=Path(__file__).parent.parent)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "out_dir /proc" in out.stderr, out.stderr[-800:]
     assert not list(Path(tmp_path).glob(".agl-check-*"))
+
+
+async def test_a_reward_or_event_body_giving_a_key_twice_is_refused(store, redis_url, prefix, upstream):  # noqa: F811
+    """Round 16: ``{"value": 1, "value": 2}`` was a reward of 2 (the last key won), where ``rollouts create --input``
+    refuses a key given twice. The reward and event routes now refuse it too (400), nothing written."""
+    import httpx
+    from test_gateway import gateway, make_rollout
+
+    await make_rollout(store, "r1")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for path, raw in (("reward", b'{"value": 1, "value": 2}'),
+                              ("events", b'{"type": "t", "data": {"a": 1, "a": 2}}')):
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/{path}", content=raw,
+                                 headers={"content-type": "application/json"})
+                assert r.status_code == 400 and "given twice" in r.text, (path, r.status_code, r.text)
+    assert (await store.get_rollout("r1")).reward is None and await store.read_events("r1") == []

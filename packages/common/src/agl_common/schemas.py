@@ -121,11 +121,13 @@ def long_integer(raw: str | bytes | bytearray) -> str | None:
     return found[0] if found else None
 
 
-def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of ``json.loads``: the object as a dict; ``ValueError`` if a key is given twice."""
     keys = [k for k, _ in pairs]
     if len(set(keys)) < len(keys):
         twice = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"input gives the key {twice!r:.60} twice (one would silently replace the other)")
+        raise ValueError(f"the key {twice!r:.60} is given twice in one object (one would silently replace the "
+                         "other)")
     return dict(pairs)
 
 
@@ -146,7 +148,7 @@ def parse_input(text: str) -> dict[str, Any]:
     if (big := long_integer(text)) is not None:
         raise ValueError(f"input holds the integer {big}, beyond 64 bits: it cannot be stored exactly (give it as "
                          "a string)")
-    json.loads(text, object_pairs_hook=_no_repeated_keys)
+    json.loads(text, object_pairs_hook=no_repeated_keys)
     return value
 
 

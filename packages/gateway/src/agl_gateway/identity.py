@@ -181,18 +181,21 @@ def check_callable(ident: Identity) -> None:
                        "rollout_finished")
 
 
-async def caller_and_body(request: Request, st: GatewayState, create: bool = True) -> tuple[Identity, dict]:
+async def caller_and_body(request: Request, st: GatewayState, create: bool = True,
+                          unique_keys: bool = False) -> tuple[Identity, dict]:
     """The caller's :class:`Identity` and its JSON body, in the one order every agent route uses: with a key,
     who is asking before what they sent (a caller without the key gets 401, no word on its body, and no body is
     buffered for it); open (``--open``), the body first, so that a rollout is created only for a well-formed
-    call. Raises ``ApiError`` as :func:`resolve_identity` and :func:`agl_gateway.body.read_json` do."""
+    call. ``unique_keys``: as :func:`agl_gateway.body.read_json`. Raises ``ApiError`` as :func:`resolve_identity` and
+    :func:`agl_gateway.body.read_json` do."""
     if st.settings.key:
         try:  # the key is checked here; a rollout to create (--open) waits for a well-formed body
-            return await resolve_identity(request, st, create=False), await read_json(request, st.settings.max_body_bytes)
+            ident = await resolve_identity(request, st, create=False)
+            return ident, await read_json(request, st.settings.max_body_bytes, unique_keys=unique_keys)
         except ApiError as err:
             if not (create and st.settings.open and err.code == "rollout_not_found"):
                 raise
-        body = await read_json(request, st.settings.max_body_bytes)
+        body = await read_json(request, st.settings.max_body_bytes, unique_keys=unique_keys)
         return await resolve_identity(request, st, create), body
-    body = await read_json(request, st.settings.max_body_bytes, keyless=True)
+    body = await read_json(request, st.settings.max_body_bytes, keyless=True, unique_keys=unique_keys)
     return await resolve_identity(request, st, create), body

@@ -19,7 +19,7 @@ router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
 
 async def _parse(request: Request, model) -> tuple[Identity, Any]:
     """The caller and its body as ``model`` (:func:`agl_gateway.identity.caller_and_body`: the key first)."""
-    ident, body = await caller_and_body(request, state_of(request))
+    ident, body = await caller_and_body(request, state_of(request), unique_keys=True)
     try:
         return ident, model.model_validate(body)
     except ValidationError as exc:
