@@ -250,6 +250,7 @@ def test_a_task_reward_or_preload_module_that_exits_or_gives_broken_inputs_is_on
         assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, (says, res.stderr)
     assert not (tmp_path / "runs").exists()
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    (tmp_path / "x.py").write_text("")  # a harness script that exists (round 16 checks it)
     for opt in ("--reward-fn", "--preload"):
         value = "exits:f" if opt == "--reward-fn" else "exits"
         res = subprocess.run([sys.executable, "-m", "agl_controller", "run", "--redis", "redis://127.0.0.1:9/0",

@@ -271,6 +271,10 @@ def test_a_rollout_input_cannot_change_the_structure_of_the_operators_job_templa
     assert str(container["resources"]["limits"]["cpu"]) == "2" and container["image"] == "registry.example.com/h:2"
 
 
+#: a harness command whose script exists (run from the repository root): ``agl-controller run`` checks it (round 16)
+HARNESS_CMD = "python examples/arithmetic/agent.py"
+
+
 def _cli(*args, env=None, timeout=120):
     import os
     import subprocess
@@ -315,8 +319,8 @@ def test_cli_refusals_are_one_line_and_change_nothing(redis_url, prefix, tmp_pat
     (bad_tok / "tokenizer.json").write_text("{not json")
     out = _cli("agl_trainer", "rollouts", "show", "r1", "--tokenizer", str(bad_tok), *base)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-500:]
-    for args in (("--redis", "redis://127.0.0.1:9/0", "--command", "python x.py"),
-                 ("--redis", redis_url, "--command", "python x.py", "--lease-ttl", "1e300"),
+    for args in (("--redis", "redis://127.0.0.1:9/0", "--command", HARNESS_CMD),
+                 ("--redis", redis_url, "--command", HARNESS_CMD, "--lease-ttl", "1e300"),
                  ("--redis", redis_url, "--mode", "k8s", "--template", str(bad_tok / "tokenizer.json"), "--dry-run",
                   "--ttl-after-finished", "-5")):
         out = _cli("agl_controller", "run", "--gateway", "http://127.0.0.1:9", "--prefix", prefix, *args)
@@ -596,8 +600,8 @@ async def test_controller_edges_of_round_6(store, redis_url, prefix, tmp_path, m
     import sys
     with pytest.raises(LaunchError, match="-u"):
         Launcher([sys.executable, "-u", "x.py"], ["json"])
-    for args in (("--gateway", "127.0.0.1:8080", "--command", "python x.py"),
-                 ("--gateway", "http://gw:8080", "--command", "python x.py", "--reward-fn-always")):
+    for args in (("--gateway", "127.0.0.1:8080", "--command", HARNESS_CMD),
+                 ("--gateway", "http://gw:8080", "--command", HARNESS_CMD, "--reward-fn-always")):
         res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, *args)
         assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-400:])
     template = tmp_path / "job.yaml.j2"
@@ -813,7 +817,7 @@ async def test_round7_controller_edges(store, redis_url, prefix, tmp_path, monke
         r = await store.get_rollout("judged")
         assert (r.status, r.attempt_id) == (RolloutStatus.queuing, "1"), r
     for args in (("--gateway", "http://127.0.0.1:8080/v1"), ("--gateway", "http://127.0.0.1:8080?x=1")):
-        res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, "--command", "python x.py", *args)
+        res = _cli("agl_controller", "run", "--redis", redis_url, "--prefix", prefix, "--command", HARNESS_CMD, *args)
         assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-300:])
     for bad in ({"gateway_url": "127.0.0.1:8080"}, {"gateway_url": "http://h/v1"}, {"rollout_timeout_s": 1e300}):
         with pytest.raises(ValueError):
@@ -835,7 +839,7 @@ def test_round7_cli_edges(redis_url, prefix, tmp_path):
         "import os, pathlib\npathlib.Path(os.environ['ENV_OUT']).write_text(repr(os.environ.get('AGL_KEY')))\n"
         "def judge(i, o):\n    return 0.0\n")
     out = tmp_path / "env.txt"
-    res = _cli("agl_controller", "run", "--redis", "redis://127.0.0.1:9/0", "--command", "python x.py",
+    res = _cli("agl_controller", "run", "--redis", "redis://127.0.0.1:9/0", "--command", HARNESS_CMD,
                "--reward-fn", "judge_env:judge", env={"AGL_KEY": "s3cret-admin", "ENV_OUT": str(out),
                                                       "PYTHONPATH": f"{tmp_path}:" + __import__("os").environ.get(
                                                           "PYTHONPATH", "")})
@@ -844,7 +848,7 @@ def test_round7_cli_edges(redis_url, prefix, tmp_path):
     bad_template = tmp_path / "job.j2"
     bad_template.write_text("spec: {{ input.x \n")
     (tmp_path / "file").write_text("x")
-    for args in (("--command", "python x.py", "--dry-run"), ("--command", "python x.py", "--log-dir",
+    for args in (("--command", HARNESS_CMD, "--dry-run"), ("--command", HARNESS_CMD, "--log-dir",
                                                               str(tmp_path / "file" / "logs")),
                  ("--mode", "k8s", "--template", str(bad_template)),
                  ("--mode", "k8s", "--template", str(bad_template).replace("job.j2", "file"))):
