@@ -118,9 +118,6 @@ def _call(i: str, name: str) -> dict:
 
 
 BAD_ANSWERS = {
-    # round 10 refused a message of {}, but an explicit null content passed: 200 with nothing (Anthropic
-    # `content: []`, Responses `output: []`) and an `ok` record of 4 response tokens the agent never saw
-    "null content": lambda a, m, c: m.__setitem__("content", None),
     # chat passed these on (200, ok); Anthropic and Responses refused them at translation (502)
     "id a number": lambda a, m, c: a.__setitem__("id", 5),
     "created a string": lambda a, m, c: a.__setitem__("created", "yesterday"),
@@ -141,13 +138,17 @@ GOOD_ANSWERS = {
     "one tool call, finish stop (a named tool_choice)": lambda a, m, c: m.update(content=None,
                                                                                  tool_calls=[_call("c1", "f")]),
     "empty content": lambda a, m, c: m.__setitem__("content", ""),
+    # vLLM's reasoning parsers give a null content (and reasoning) for an empty visible output (a lone </think>)
+    "null content": lambda a, m, c: m.__setitem__("content", None),
+    "legacy function_call": lambda a, m, c: (m.update(content=None, function_call={"name": "f", "arguments": "{}"}),
+                                             c.__setitem__("finish_reason", "function_call")),
 }
 
 
 async def test_an_answer_gets_one_verdict_on_every_route(store, redis_url, prefix, upstream):  # noqa: F811
     """Round 16: each bad answer is a 502 and an ``error`` record on chat, Anthropic and Responses alike; before,
-    chat answered 200 (``ok``) where the translated routes refused, and a null content was ``ok`` everywhere. The
-    good ones pass everywhere. A chat stream's chunks get the same envelope check."""
+    chat answered 200 (``ok``) where the translated routes refused. The good ones pass everywhere. A chat stream's
+    chunks get the same envelope and logprob-entry checks."""
     import httpx
     from test_gateway import gateway, make_rollout
     from test_hostile6 import _last
@@ -168,7 +169,8 @@ async def test_an_answer_gets_one_verdict_on_every_route(store, redis_url, prefi
                         rec = await _last(store, f"r{n}")
                         assert (r.status_code, rec.status) == want, (name, path, extra, r.status_code, r.text[:200])
             for field, value, want in (("id", 5, "error"), ("created", "yesterday", "error"),
-                                       ("system_fingerprint", {}, "error"), ("id", "chatcmpl-1", "ok")):
+                                       ("system_fingerprint", {}, "error"), ("id", "chatcmpl-1", "ok"),
+                                       ("token", 5, "error"), ("bytes", "x", "error"), ("bytes", [55], "ok")):
                 n += 1
                 await make_rollout(store, f"r{n}")
                 upstream.app.state.plan = ("stream", _chunks_with(field, value), "done")
@@ -186,7 +188,10 @@ def _chunks_with(field: str, value) -> list[bytes]:
 
     chunks = chat_chunks("up", [1, 2, 3], [7, 8, 2])
     ev = orjson.loads(chunks[1][len(b"data: "):])
-    ev[field] = value
+    if field in ("token", "bytes"):  # a field of the chunk's logprob entry
+        ev["choices"][0]["logprobs"]["content"][0][field] = value
+    else:
+        ev[field] = value
     return [chunks[0], b"data: " + orjson.dumps(ev) + b"\n\n", *chunks[2:]]
 
 
@@ -349,11 +354,17 @@ def test_a_misspelt_harness_script_or_module_is_one_line_before_anything_starts(
                           ("python -m not_a_module_xyz", "not_a_module_xyz' is not found")):
         with pytest.raises(TaskError, match=says):
             check_controller_imports(TrainConfig(command=command, preload=[]))
-        res = CliRunner().invoke(controller_app, ["run", "--mode", "local", "--command", f"{sys.executable} "
-                                                  + command.partition(" ")[2], "--redis", redis_url, "--gateway", "http://127.0.0.1:9"])
+        argv = f"{sys.executable} " + command.partition(" ")[2]
+        res = CliRunner().invoke(controller_app, ["run", "--mode", "local", "--command", argv, "--redis", redis_url,
+                                                  "--gateway", "http://127.0.0.1:9"])
         assert res.exit_code == 2 and says in res.output, res.output
-    check_controller_imports(TrainConfig(command="python agent.py", preload=[]))  # what is there passes
-    check_controller_imports(TrainConfig(command="python -m json.tool", preload=[]))
+    (tmp_path / "agents" / "__main__.py").write_text("")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\n")  # another Python: its modules are its own
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    for fine in ("python agent.py", "python agents", "python -m json", "python -m json.tool",
+                 f"{tmp_path}/bin/python3 -m only_there"):
+        check_controller_imports(TrainConfig(command=fine, preload=[]))
 
 
 def test_an_out_dir_that_takes_no_run_directory_is_one_line(tmp_path):
@@ -386,3 +397,37 @@ async def test_a_reward_or_event_body_giving_a_key_twice_is_refused(store, redis
                                  headers={"content-type": "application/json"})
                 assert r.status_code == 400 and "given twice" in r.text, (path, r.status_code, r.text)
     assert (await store.get_rollout("r1")).reward is None and await store.read_events("r1") == []
+
+
+async def test_a_late_error_record_fails_no_run_and_calls_after_exit_can_be_retried(store, gateway_url, tmp_path,
+                                                                                    monkeypatch):
+    """Review of round 16: an abandoned call's ``error`` record (the agent went away; the gateway records it when
+    the engine answers) landing after the harness exited made a good run ``calls_after_exit``; error records train
+    nothing, so the run succeeds. ``calls_after_exit`` is a reason ``--retry-on`` takes, and is retried."""
+    from pathlib import Path
+
+    from agl_common.schemas import CallRecord
+    from agl_controller.base import check_retry_on
+    from test_controller import run
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+
+    async def late_error_record():
+        while await store.count_calls("abandon", "0") < 1:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.8)  # the harness has exited; the judge (1.5 s) runs
+        await store.record_call(CallRecord(rollout_id="abandon", attempt_id="0", seq=-1, route="chat", request={},
+                                           response=None, status="error", error="abandoned"))
+
+    writer = asyncio.ensure_future(late_error_record())
+    out = await run(store, gateway_url, tmp_path, {"abandon": {"calls": 1, "judge_s": 1.5}}, reward_fn="rewards:slow")
+    await writer
+    assert (out["abandon"].status, out["abandon"].reward) == (RolloutStatus.succeeded, 1.0), out["abandon"]
+    assert len(await store.read_calls("abandon")) == 2
+    retry = check_retry_on(["calls_after_exit"])
+    out = await run(store, gateway_url, tmp_path, {"late": {"calls": 1, "reward": 1.0, "left_behind": "calls",
+                                                            "judge_s": 1.0}},
+                    reward_fn="rewards:slow", reward_fn_always=True, retry_on=retry, max_attempts=2)
+    assert (out["late"].status, out["late"].attempt_id) == (RolloutStatus.queuing, "1")  # retried (queued again)
+    assert [(e["type"], e["data"]) for e in await store.read_events("late")] == [
+        ("attempt_failed", {"failure": "calls_after_exit"})]

@@ -249,7 +249,10 @@ class _ClusterPipeline(ClusterPipeline):
     :meth:`Store.attempt_usage` answered 500 in tests/test_redis_cluster.py's failover test)."""
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        res = super().execute_command(*args, **kwargs)
+        try:  # (a WATCHed transaction runs the command now, part of it before the first await)
+            res = super().execute_command(*args, **kwargs)
+        except _CLOSED_UNDER_US as exc:
+            raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
         return res if res is self else _race_as_connection_error(res, args[0])  # queued, or run now (WATCHed)
 
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
@@ -712,7 +715,7 @@ class Store:
                 await self.r.initialize()  # the slot map (a no-op unless a failure asked for a reload)
                 node = self.r.get_node_from_key(keys[0])
             except (*RETRYABLE, *_CLOSED_UNDER_US) as exc:
-                last = exc
+                last = exc if isinstance(exc, RETRYABLE) else RedisConnectionError(str(exc))
                 continue
             batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
             try:
@@ -721,8 +724,12 @@ class Store:
                 batch[0].result = batch[1].result = RedisConnectionError(str(exc))
             seq, acked = batch[0].result, batch[1].result
             if isinstance(seq, NoScriptError):
-                await _race_as_connection_error(node.execute_command("SCRIPT", "LOAD", _RECORD_CALL), "SCRIPT")
                 last = seq
+                try:
+                    await _race_as_connection_error(node.execute_command("SCRIPT", "LOAD", _RECORD_CALL), "SCRIPT")
+                except RETRYABLE as exc:  # the node went down meanwhile: the next try reloads the slot map
+                    last = exc
+                    self.r._initialize = True
                 continue
             err = next((r for r in (seq, acked) if isinstance(r, Exception)), None)
             if err is None:

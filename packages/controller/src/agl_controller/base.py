@@ -53,7 +53,7 @@ DEFAULT_RETRY_ON = ("timeout", "signal", "oom_killed", "spawn_error", "controlle
 #: ``exit_code:3``, ``job_failed:BackoffLimitExceeded``).
 FAILURE_REASONS = ("timeout", "exit_code", "signal", "oom_killed", "spawn_error", "template_error", "image_pull",
                    "controller_lost", "evicted", "deadline_exceeded", "job_failed", "job_lost", "no_model_calls",
-                   "no_reward", "reward_error", "controller_error", "log_limit")
+                   "no_reward", "reward_error", "controller_error", "log_limit", "calls_after_exit")
 
 
 #: Reasons whose failures carry a number (``exit_code:75``, ``signal:15``), and those with another detail.
@@ -310,6 +310,15 @@ class Runner:
                  attempt_id, reason, rollout.attempt_id)
         return rollout
 
+    async def _retry(self, rollout_id: str, attempt_id: str, failure: str) -> Rollout:
+        """Retry a running attempt that failed with ``failure`` as the next attempt (queued again)."""
+        rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
+        await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
+        await self.store.requeue_claim(self.controller_id, rollout_id)
+        log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,
+                 rollout.attempt_id)
+        return rollout
+
     async def _finish(self, rollout_id: str, attempt_id: str, failure: str | None, check_calls: bool) -> Rollout:
         def current(r: Rollout) -> None:
             if r.attempt_id != attempt_id or r.status != RolloutStatus.running:
@@ -333,12 +342,7 @@ class Runner:
         if failure is None and rollout.reward is None and judged is None:
             failure = "no_reward"
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
-            rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
-            await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
-            await self.store.requeue_claim(self.controller_id, rollout_id)
-            log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,
-                     rollout.attempt_id)
-            return rollout
+            return await self._retry(rollout_id, attempt_id, failure)
 
         replaced: dict[str, Any] = {}
 
@@ -354,14 +358,22 @@ class Runner:
             r.ended_at = time.time()
             r.failure = failure
 
-        try:  # only on the calls the judge (and the check above) saw: none recorded since by what the run left
-            rollout = await self.store.update_rollout(rollout_id, end,
-                                                      calls_seen=(attempt_id, len(calls)) if check_calls else None)
-        except CallsRecordedSince:
-            log.warning("rollout %s attempt %s: calls were recorded after its harness exited", rollout_id,
+        seen = len(calls)
+        while True:  # a success ends only on the calls its judge (and the check above) saw
+            try:
+                rollout = await self.store.update_rollout(
+                    rollout_id, end, calls_seen=(attempt_id, seen) if check_calls and not failure else None)
+                break
+            except CallsRecordedSince:
+                later = (await self.store.read_calls(rollout_id, attempt_id))[seen:]
+                if not any(c.status == "ok" for c in later):  # an abandoned call's error record: trains nothing
+                    seen += len(later)
+                    continue
+            log.warning("rollout %s attempt %s: model calls were recorded after its harness exited", rollout_id,
                         attempt_id)
-            failure = "calls_after_exit"
-            rollout = await self.store.update_rollout(rollout_id, end)
+            failure = "calls_after_exit"  # (something the run left behind, setsid, kept calling with its key)
+            if matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
+                return await self._retry(rollout_id, attempt_id, failure)
         if replaced:
             await self.store.add_event(rollout_id, attempt_id, "reward_replaced", replaced)
         await self.store.release_claim(self.controller_id, rollout_id)

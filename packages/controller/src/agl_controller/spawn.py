@@ -156,23 +156,29 @@ def _start_forkserver(env: dict[str, str]) -> None:
 
 def _check_python_target(command: list[str]) -> None:
     """:class:`LaunchError` if ``command`` runs Python (its program's name starts with ``python``) on a script that
-    is not a file, or on a ``-m`` module not found from the working directory (as ``python -m`` looks: the working
-    directory first). Other programs, and Python options before the target, are not looked into."""
+    is neither a file nor a directory with a ``__main__.py``, or, when that Python is this interpreter (the
+    controller's: the modules it finds are the harness's), on a top-level ``-m`` module not found from the working
+    directory (as ``python -m`` looks: the working directory first; a dotted name would import its packages here,
+    so it is not looked into). Other programs, and Python options before the target, are not looked into."""
     import importlib.util
 
     if not Path(command[0]).name.startswith("python") or len(command) < 2:
         return
     if command[1] == "-m" and len(command) > 2:
+        exe = shutil.which(command[0]) or command[0]
+        if Path(exe).resolve() != Path(sys.executable).resolve() or "." in command[2]:
+            return
         sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(command[2]) is not None
-        except (ImportError, ValueError):  # a parent package that does not import
+        except (ImportError, ValueError):  # (a name find_spec refuses)
             found = False
         finally:
             sys.path.remove(os.getcwd())
         if not found:
             raise LaunchError(f"the harness module {command[2]!r:.80} is not found from {os.getcwd()}")
-    elif not command[1].startswith("-") and not Path(command[1]).is_file():
+    elif not command[1].startswith("-") and not (Path(command[1]).is_file()
+                                                 or (Path(command[1]) / "__main__.py").is_file()):
         raise LaunchError(f"the harness script {command[1]!r:.80} is not a file (from {os.getcwd()})")
 
 

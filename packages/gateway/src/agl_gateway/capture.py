@@ -205,13 +205,16 @@ ENVELOPE = {"id": str, "created": int, "system_fingerprint": str}
 MESSAGE_FIELDS = {"annotations": list, "audio": dict, "function_call": dict}
 
 
-def _typed(obj: dict[str, Any], fields: dict[str, type], where: str) -> None:
-    """:class:`MalformedUpstream` unless each of ``fields`` present in ``obj`` is null or of its type (no bool)."""
+_KIND_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
+
+
+def _typed(obj: dict[str, Any], fields: dict[str, type | tuple[type, ...]], where: str) -> None:
+    """:class:`MalformedUpstream` unless each of ``fields`` present in ``obj`` is null or of its type(s) (no bool)."""
     for name, kind in fields.items():
         v = obj.get(name)
         if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
-            raise MalformedUpstream(f"'{where}{name}' is not {'an' if kind is int else 'a'} "
-                                    f"{ {str: 'string', int: 'integer', list: 'list', dict: 'object'}[kind]}")
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            raise MalformedUpstream(f"'{where}{name}' is not {' or '.join(_KIND_NAMES[k] for k in kinds)}")
 
 
 def check_envelope(data: dict[str, Any]) -> None:
@@ -227,8 +230,7 @@ def check_envelope(data: dict[str, Any]) -> None:
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
-    ``reasoning_content`` and ``reasoning`` strings or null (one of these, ``content`` or a tool call given), its
-    :data:`MESSAGE_FIELDS` of their types, its ``tool_calls`` (if any) objects with a non-empty ``id`` (no two
+    ``reasoning_content`` and ``reasoning`` strings or null, its :data:`MESSAGE_FIELDS` of their types, its ``tool_calls`` (if any) objects with a non-empty ``id`` (no two
     alike), ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and string
     ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on both,
     ``logprobs`` null or an object whose lists are lists (chat: of :func:`_check_logprob_entry` entries).
@@ -255,9 +257,9 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
         raise MalformedUpstream(f"'message.role' is {message['role']!r:.30}, not 'assistant'")
     _typed(message, MESSAGE_FIELDS, "message.")
     calls = message.get("tool_calls")
-    if message.get("content") is None and not calls and all(message.get(f) is None for f in TEXT_FIELDS):
-        # (translated: Anthropic `content: []`, Responses `output: []`; the agent read nothing the tokens said)
-        raise MalformedUpstream("the message holds neither content, text nor tool calls")
+    if "content" not in message and not calls:  # (translated: Anthropic `content: []`, Responses `output: []`)
+        # (a null content is an answer: vLLM's reasoning parsers give one for an empty visible output)
+        raise MalformedUpstream("the message holds neither content nor tool calls")
     if choice.get("finish_reason") == "tool_calls" and not calls:
         raise MalformedUpstream("finish reason 'tool_calls' without a tool call")
     if calls is None:
@@ -437,6 +439,10 @@ class StreamCapture:
             cap.response_token_ids += ids
             lp = _given(ch, "logprobs", dict, "'logprobs'")
             content = lp.get("content") or []
+            if not isinstance(content, list):
+                raise MalformedUpstream("'logprobs.content' is not a list")
+            for entry in content:  # as a complete answer's (check_choice): what the agent's SDK reads
+                _check_logprob_entry(entry, top=True)
             got = token_logprobs(content, "logprobs.content")
             if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
                 self.lps_missing = True  # counts that differ per chunk but add up are still misaligned
