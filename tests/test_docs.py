@@ -265,11 +265,17 @@ def check(cmd: str, out: str, work: Path, ctx: dict) -> None:
 
 
 def recorded_run(port: int) -> tuple[list[str], dict]:
-    """Two rollouts named like a demo run's (``{run}-q{n}-g{k}-{i}``), each with one call and a reward."""
+    """Two rollouts named like a demo run's (``{run}-q{n}-g{k}-{i}``), their group registered with the run, each
+    with one call and a reward."""
     run = time.strftime("%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]  # agl_trainer.run.new_run_id's format
     gw = f"http://127.0.0.1:{port}/rollouts/{run}-q0-g0-%d/attempts/0"
     post = "curl -sf -o /dev/null -H 'Content-Type: application/json' "
-    lines = [f"agl-gateway serve --open --port {port}"]
+    # the group registered as the trainer's scheduler registers it: `--run` selects a run's registered groups
+    register = ("python -c 'import asyncio, os; from agl_common.schemas import GroupInfo; "
+                "from agl_common.store import Store; s = Store(os.environ[\"AGL_REDIS_URL\"], "
+                "os.environ[\"AGL_PREFIX\"]); asyncio.run(s.register_group(GroupInfo(group_id=\"%s-q0-g0\", "
+                "rollout_ids=[\"%s-q0-g0-0\", \"%s-q0-g0-1\"], owner=\"%s\", run=\"%s\")))'" % ((run,) * 5))
+    lines = [register, f"agl-gateway serve --open --port {port}"]
     for i in range(2):
         lines += [post + f"""-d '{{"model": "m", "messages": [{{"role": "user", "content": "2+2"}}]}}' """
                   + gw % i + "/v1/chat/completions", post + f"""-d '{{"value": 1}}' """ + gw % i + "/reward"]
