@@ -255,24 +255,33 @@ LOGPROB_CEILING = 1e-3
 LOGPROB_FLOOR = -9999.0
 
 
+def token_id_fault(*id_lists: list[int]) -> str | None:
+    """Why token ids (``(T,)`` lists of ints) cannot be a record's: the first outside ``[0, TOKEN_ID_LIMIT)``, or
+    ``None``."""
+    bad = next((t for ids in id_lists for t in ids if not 0 <= t < TOKEN_ID_LIMIT), None)
+    return None if bad is None else f"token id {bad} out of range (0 to {TOKEN_ID_LIMIT - 1})"[:200]
+
+
+def logprob_fault(logprobs: list[float]) -> str | None:
+    """Why sampled tokens' logprobs (``(T,)``, nats) cannot be a record's: the first outside ``(LOGPROB_FLOOR,
+    LOGPROB_CEILING]``, or ``None``."""
+    bad = next((x for x in logprobs if not LOGPROB_FLOOR < x <= LOGPROB_CEILING), None)
+    return None if bad is None else (f"logprob {bad!r} is not a log-probability of a sampled token (above 0, or at "
+                                     f"or below the engine's {LOGPROB_FLOOR} floor for -inf)")
+
+
 def record_fault(record: CallRecord) -> str | None:
     """Why ``record`` breaks the rules the gateway keeps for every record it writes, or ``None``: token ids in
     ``[0, TOKEN_ID_LIMIT)`` (any status); for an ``ok`` record also one logprob per response token id (or none),
     each in ``(LOGPROB_FLOOR, LOGPROB_CEILING]``. :meth:`agl_common.store.Store.record_call` (in-process writers)
-    refuses such a record; the gateway writes none (``agl_gateway.capture.check``)."""
-    bad = next((t for t in (*record.prompt_token_ids, *record.response_token_ids) if not 0 <= t < TOKEN_ID_LIMIT),
-               None)
-    if bad is not None:
-        return f"token id {bad} out of range (0 to {TOKEN_ID_LIMIT - 1})"[:200]
+    refuses such a record; the gateway writes none (``agl_gateway.capture.check``, with the same two checks)."""
+    why = token_id_fault(record.prompt_token_ids, record.response_token_ids)
     lps = record.response_logprobs
-    if record.status != "ok" or lps is None:
-        return None
+    if why or record.status != "ok" or lps is None:
+        return why
     if len(lps) != len(record.response_token_ids):
         return f"{len(lps)} logprobs for {len(record.response_token_ids)} response token ids"
-    bad_lp = next((x for x in lps if not LOGPROB_FLOOR < x <= LOGPROB_CEILING), None)
-    if bad_lp is not None:
-        return f"logprob {bad_lp!r} is not a log-probability of a sampled token"
-    return None
+    return logprob_fault(lps)
 
 
 class CallRecord(BaseModel):

@@ -234,13 +234,18 @@ class _ClusterPubSub(ClusterPubSub):
     parse_response = keeps_cancellation(aioredis.client.PubSub.parse_response)
 
 
+def _closed_under(what: Any, exc: BaseException) -> RedisConnectionError:
+    """The race of :class:`_RedisCluster` (``exc``, one of ``_CLOSED_UNDER_US``, under command ``what``) as what
+    callers handle: :class:`redis.exceptions.ConnectionError`."""
+    return RedisConnectionError(f"connection closed under {what!r} during a topology change: {exc}")
+
+
 async def _race_as_connection_error(awaitable: Awaitable[Any], what: Any) -> Any:
-    """Await ``awaitable``; the race of :class:`_RedisCluster` (``AttributeError``/``RuntimeError`` from a
-    connection closed under the command) is raised as :class:`redis.exceptions.ConnectionError`."""
+    """Await ``awaitable``; the race of :class:`_RedisCluster` is raised as :func:`_closed_under` says."""
     try:
         return await awaitable
     except _CLOSED_UNDER_US as exc:
-        raise RedisConnectionError(f"connection closed under {what!r} during a topology change: {exc}") from exc
+        raise _closed_under(what, exc) from exc
 
 
 class _ClusterPipeline(ClusterPipeline):
@@ -252,7 +257,7 @@ class _ClusterPipeline(ClusterPipeline):
         try:  # (a WATCHed transaction runs the command now, part of it before the first await)
             res = super().execute_command(*args, **kwargs)
         except _CLOSED_UNDER_US as exc:
-            raise RedisConnectionError(f"connection closed under {args[0]!r} during a topology change: {exc}") from exc
+            raise _closed_under(args[0], exc) from exc
         return res if res is self else _race_as_connection_error(res, args[0])  # queued, or run now (WATCHed)
 
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
@@ -626,8 +631,8 @@ class Store:
 
         One atomic server-side script (one round trip): the counter and the stream never disagree, even if
         the gateway dies mid-call. Raises ``ValueError`` (nothing written) for a record that breaks the rules the
-        gateway keeps (:func:`agl_common.schemas.record_fault`). Returns once Redis has acknowledged the write (and, with
-        ``wait_replicas``, once that many replicas hold it).
+        gateway keeps (:func:`agl_common.schemas.record_fault`). Returns once Redis has acknowledged the write
+        (and, with ``wait_replicas``, once that many replicas hold it).
         """
         why = record_fault(record)
         if why:
@@ -715,7 +720,7 @@ class Store:
                 await self.r.initialize()  # the slot map (a no-op unless a failure asked for a reload)
                 node = self.r.get_node_from_key(keys[0])
             except (*RETRYABLE, *_CLOSED_UNDER_US) as exc:
-                last = exc if isinstance(exc, RETRYABLE) else RedisConnectionError(str(exc))
+                last = exc if isinstance(exc, RETRYABLE) else _closed_under("CLUSTER SLOTS", exc)
                 continue
             batch = [PipelineCommand(i, *c) for i, c in enumerate(cmds)]
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl_common.schemas import LOGPROB_CEILING, LOGPROB_FLOOR, MAX_JSON_DEPTH, TOKEN_ID_LIMIT, too_deep
+from agl_common.schemas import MAX_JSON_DEPTH, logprob_fault, token_id_fault, too_deep
 from pydantic import TypeAdapter, ValidationError
 
 
@@ -182,8 +182,9 @@ def _number(x: Any) -> bool:
 def _check_logprob_entry(entry: Any, top: bool) -> None:
     """:class:`MalformedUpstream` unless ``entry`` is a chat ``logprobs.content`` entry (``top``) or one of its
     ``top_logprobs`` as the OpenAI SDK types it: an object, a string ``token``, a number ``logprob``, ``bytes``
-    null or a list of integers, and (``top``) ``top_logprobs`` null or a list of such entries. A missing or null ``token`` or
-    ``logprob`` passes here: :func:`token_logprobs` makes that an error record (the agent still gets its answer)."""
+    null or a list of integers, and (``top``) ``top_logprobs`` null or a list of such entries. A missing or null
+    ``token`` or ``logprob`` passes here: :func:`token_logprobs` makes that an error record (the agent still gets
+    its answer)."""
     if not isinstance(entry, dict) or entry.get("token") is not None and not isinstance(entry["token"], str) \
             or entry.get("logprob") is not None and not _number(entry["logprob"]):
         raise MalformedUpstream("a 'logprobs.content' entry is not a string token with a number logprob")
@@ -217,6 +218,15 @@ def _typed(obj: dict[str, Any], fields: dict[str, type | tuple[type, ...]], wher
             raise MalformedUpstream(f"'{where}{name}' is not {' or '.join(_KIND_NAMES[k] for k in kinds)}")
 
 
+def _check_logprob_entries(content: Any) -> None:
+    """:class:`MalformedUpstream` unless ``content`` (a chat ``logprobs.content``, of a complete answer or of one
+    stream chunk) is null or a list of :func:`_check_logprob_entry` entries."""
+    if content is not None and not isinstance(content, list):
+        raise MalformedUpstream("'logprobs.content' is not a list")
+    for entry in content or []:
+        _check_logprob_entry(entry, top=True)
+
+
 def check_envelope(data: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``data`` (a complete answer or a stream chunk) has :data:`ENVELOPE`'s
     types and its ``usage`` is an object or null. One verdict on every route: before, only the translated routes
@@ -230,9 +240,9 @@ def check_envelope(data: dict[str, Any]) -> None:
 def check_choice(route: str, choice: dict[str, Any]) -> None:
     """:class:`MalformedUpstream` unless ``choice`` is one an agent's SDK can read: on ``chat`` a ``message``
     object of role ``assistant`` (or none) with a ``content`` (a string or null) or tool calls, its ``refusal``,
-    ``reasoning_content`` and ``reasoning`` strings or null, its :data:`MESSAGE_FIELDS` of their types, its ``tool_calls`` (if any) objects with a non-empty ``id`` (no two
-    alike), ``type`` ``function`` (or none) and a ``function`` of a non-empty printable ``name`` and string
-    ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on both,
+    ``reasoning_content`` and ``reasoning`` strings or null, its :data:`MESSAGE_FIELDS` of their types, its
+    ``tool_calls`` (if any) objects with a non-empty ``id`` (no two alike), ``type`` ``function`` (or none) and a
+    ``function`` of a non-empty printable ``name`` and string ``arguments``, and tool calls if its finish reason says so; on ``completions`` a string ``text``; on both,
     ``logprobs`` null or an object whose lists are lists (chat: of :func:`_check_logprob_entry` entries).
     Complete answers and streams (:meth:`StreamCapture.result`) are checked alike."""
     lp = choice.get("logprobs")  # what an agent that asked for logprobs reads: the shape its SDK parses
@@ -241,8 +251,7 @@ def check_choice(route: str, choice: dict[str, Any]) -> None:
                                                              for k in lists)):
         raise MalformedUpstream(f"choice {choice.get('index', 0)}'s 'logprobs' is not an object of lists")
     if route == "chat" and lp is not None:
-        for entry in lp.get("content") or []:
-            _check_logprob_entry(entry, top=True)
+        _check_logprob_entries(lp.get("content"))
     if route == "completions":
         if not isinstance(choice.get("text"), str):
             raise MalformedUpstream(f"choice {choice.get('index', 0)} holds no text")
@@ -373,14 +382,7 @@ def check(cap: Captured) -> str | None:
         return f"token ids incomplete: {sampled} of {n}"
     if cap.response_token_ids and cap.response_logprobs is None:
         return f"logprobs missing: not one per token id ({len(cap.response_token_ids)} ids)"
-    bad = next((t for t in (*cap.prompt_token_ids, *cap.response_token_ids) if not 0 <= t < TOKEN_ID_LIMIT), None)
-    if bad is not None:
-        return f"token id {bad} out of range (0 to {TOKEN_ID_LIMIT - 1})"[:200]
-    bad_lp = next((x for x in cap.response_logprobs or () if not LOGPROB_FLOOR < x <= LOGPROB_CEILING), None)
-    if bad_lp is not None:
-        return (f"logprob {bad_lp!r} is not a log-probability of a sampled token (above 0, or at or below the "
-                f"engine's {LOGPROB_FLOOR} floor for -inf)")
-    return None
+    return token_id_fault(cap.prompt_token_ids, cap.response_token_ids) or logprob_fault(cap.response_logprobs or [])
 
 
 class StreamCapture:
@@ -439,10 +441,7 @@ class StreamCapture:
             cap.response_token_ids += ids
             lp = _given(ch, "logprobs", dict, "'logprobs'")
             content = lp.get("content") or []
-            if not isinstance(content, list):
-                raise MalformedUpstream("'logprobs.content' is not a list")
-            for entry in content:  # as a complete answer's (check_choice): what the agent's SDK reads
-                _check_logprob_entry(entry, top=True)
+            _check_logprob_entries(content)  # as a complete answer's (check_choice): what the agent's SDK reads
             got = token_logprobs(content, "logprobs.content")
             if got is None or len(got) != len(ids):  # each chunk's logprobs belong to its own ids:
                 self.lps_missing = True  # counts that differ per chunk but add up are still misaligned

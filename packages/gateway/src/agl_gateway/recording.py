@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import orjson
-from agl_common.schemas import TOKEN_ID_LIMIT, CallRecord, Policy
+from agl_common.schemas import CallRecord, Policy, token_id_fault
 from agl_common.store import RecordRefused
 from redis.exceptions import RedisError
 
@@ -35,7 +35,7 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
     :func:`check` finds wrong with the capture (never trained on), else ``ok``. ``t0``: perf_counter at
     the upstream call's start (for ``latency_ms``)."""
     rec["response"] = response
-    ids_fit = all(0 <= t < TOKEN_ID_LIMIT for t in (*cap.prompt_token_ids, *cap.response_token_ids))
+    ids_fit = token_id_fault(cap.prompt_token_ids, cap.response_token_ids) is None
     # ids outside any vocabulary are not kept (the error names the first): a record stays writable as int64
     # everywhere (Parquet, torch), and it is an error record, never trained on
     rec["prompt_token_ids"], rec["response_token_ids"] = ((cap.prompt_token_ids, cap.response_token_ids) if ids_fit
