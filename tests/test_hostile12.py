@@ -165,7 +165,7 @@ def test_every_reader_takes_the_recorded_choice_of_index_0():
                      response_token_ids=[5, 6, 2], response_logprobs=[-0.1] * 3, finish_reason="stop")
     assert first_choice(rec)["message"]["content"] == "ZERO"
     assert answer_text(rec) == final_output([rec]) == message_text(rec) == "ZERO"
-    [(conv, _, _)] = conversations([rec], ExportStats())
+    [(conv, _, _, _)] = conversations([rec], ExportStats())
     assert conv[-1]["content"] == "ZERO"
     odd = rec.model_copy(update={"response": {"choices": [{"index": True, "text": "x"}, {"index": "0", "text": "y"}]},
                                  "route": "completions"})

@@ -651,7 +651,7 @@ def test_messages_export_writes_odd_tool_calls_in_one_shape(tmp_path):
                                                                                  "tool_calls": tc('{"x": 2}')}),
              call(2, [{"role": "user", "content": 5, "name": 7}], {"role": "assistant", "tool_calls": [5, None]})]
     convs = conversations(calls, ExportStats())
-    records = [{"messages": m, "tools": t, "n_calls": n} for m, t, n in convs]
+    records = [{"messages": m, "tools": t, "n_calls": n} for m, t, n, _ in convs]
     flat = [msg for r in records for msg in r["messages"]]
     assert all(v is None or isinstance(v, str) for msg in flat for k, v in msg.items() if k != "tool_calls")
     args = [c["function"]["arguments"] for msg in flat for c in msg["tool_calls"] or []]

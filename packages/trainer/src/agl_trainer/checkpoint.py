@@ -11,7 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .files import read_small_file
 from .scheduler import GroupScheduler
+
+#: Largest ``checkpoint/state.json`` read (a step's metrics and the groups in flight: a few KiB).
+MAX_STATE_BYTES = 16 << 20
 
 
 class NotResumable(ValueError):
@@ -74,13 +78,46 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(read_small_file(path, MAX_STATE_BYTES))  # (a FIFO or /dev/zero: round 17)
         _State.model_validate(state)
     except (OSError, ValueError, RecursionError) as exc:  # (ValidationError and JSONDecodeError are ValueErrors)
         why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'state'}: {e['msg']}" for e in exc.errors()[:3]) \
             if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
         raise NotResumable(f"{path} is not a checkpoint's state ({why[:300]})") from None
     return state
+
+
+def run_config(run_dir: Path) -> dict[str, Any] | None:
+    """The settings a run was started with (its ``config.json``, :meth:`TrainConfig.shown`), or None if it has
+    none. Raises ``ValueError`` (one line) if it cannot be read or is not a JSON object (a FIFO, a device, a
+    hand-edited file: :func:`~agl_trainer.files.read_small_file`)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(read_small_file(path, MAX_STATE_BYTES))
+    except RecursionError:
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a run's config (a JSON object)")
+    return data
+
+
+def weight_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """What a run's weights and optimizer state are shaped by, from its settings (``config.json`` or
+    :meth:`TrainConfig.shown`): ``base_model`` and each adapter's ``[lora_rank, lora_alpha]`` (key: its role, or
+    ``""`` without roles; a role without its own uses the run's). Another rank cannot be loaded into; another
+    alpha or base model would train a policy the engine does not serve. Raises ``ValueError`` for settings of
+    the wrong shape."""
+    from .config import TrainConfig
+
+    fields = TrainConfig.model_fields
+    rank, alpha = (config.get(k, fields[k].default) for k in ("lora_rank", "lora_alpha"))
+    roles = config.get("roles") or {}
+    if not isinstance(roles, dict) or not all(isinstance(rc, dict) for rc in roles.values()):
+        raise ValueError("roles is not a mapping of role settings")
+    adapters = {role: [rc.get("lora_rank") or rank, rc.get("lora_alpha") or alpha] for role, rc in roles.items()}
+    return {"base_model": config.get("base_model"), "adapters": adapters or {"": [rank, alpha]}}
 
 
 def resume_state(run_dir: Path) -> dict[str, Any]:

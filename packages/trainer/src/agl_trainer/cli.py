@@ -222,9 +222,11 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
     _check_task(cfg)
     if resume_dir is not None:
         from .checkpoint import NotResumable, resume_state
+        from .run import check_resumable
 
         try:
             resume_state(resume_dir)
+            check_resumable(cfg, Path(resume_dir))
         except NotResumable as exc:
             err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
             raise typer.Exit(2) from None
@@ -475,7 +477,8 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
                                               help="the run's settings for its rows (its runs/.../config.json, or a "
                                               "train YAML); default: TrainConfig's defaults"),
                   tokenizer: str = typer.Option(None, "--tokenizer", help="a tokenizer directory to classify merge "
-                                                "breaks with; default: the base model's cached copy if any; none: off"),
+                                                "breaks with; default: --config's base_model, else the shipped base "
+                                                "model's cached copy if any; none: off"),
                   redis: str = RedisOpt, prefix: str = PrefixOpt):
     """One rollout with its recorded calls and the training rows they make: which calls merged into which row,
     and the merge break (class, offset) that started each later row, then the events its harness posted (the last
@@ -484,11 +487,15 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
 
     from .ui.traces import EVENTS_SHOWN, analyse, event_lines, load_decoder, run_settings
 
-    settings = run_settings(_load_config(config, uses_redis=False).model_dump() if config is not None else {})
+    cfg = _load_config(config, uses_redis=False) if config is not None else None
+    settings = run_settings(cfg.model_dump() if cfg is not None else {})
+    what = f"--tokenizer {tokenizer}"
+    if tokenizer is None and cfg is not None and cfg.base_model:  # the run's own model, not the shipped one
+        tokenizer, what = cfg.base_model, f"the base model's tokenizer ({cfg.base_model})"
     try:
         decoder = load_decoder(tokenizer)
     except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
-        err.print(f"[red]--tokenizer {escape(str(tokenizer))}[/red]: {escape(str(exc))}")
+        err.print(f"[red]{escape(what)}[/red]: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
     async def main():
@@ -593,10 +600,16 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     stats = ExportStats()
     eos_ids, decode = None, None
     if shape == "rows":  # the base model's end-of-turn ids, as training reads them
-        from .model import ensure_base_model, load_tokenizer
+        from .model import ensure_base_model
+        from .ui.traces import load_decoder
 
-        tokenizer, eos_ids = load_tokenizer(ensure_base_model(cfg.base_model if cfg else None))
-        decode = tokenizer.decode
+        try:
+            base = ensure_base_model(cfg.base_model if cfg else None)
+            decoder = load_decoder(str(base))
+        except (OSError, ValueError) as exc:  # (round 17: a base_model without a tokenizer was a traceback)
+            err.print(f"[red]the base model's tokenizer[/red]: {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        eos_ids, decode = decoder.eos_ids, decoder.decode
 
     async def main():
         store = _store(redis, prefix)

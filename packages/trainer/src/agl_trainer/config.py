@@ -19,6 +19,8 @@ from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_env_na
                                  command_argv, engine_base_urls, redacted_text, redacted_url, redacted_urls)
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .files import read_small_file
+
 
 #: Most roles a run may declare.
 MAX_ROLES = 16
@@ -50,7 +52,8 @@ class RoleConfig(_NoBooleanNumbers):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    models: list[str] = Field(default_factory=list, description="the model names the harness gives this role's "
+    models: list[str] = Field(default_factory=list, max_length=64,
+                              description="the model names the harness gives this role's "
                               "calls (each in one role only); a harness that cannot name models sends the "
                               "X-AGL-Role header instead")
     lora_rank: int | None = Field(None, ge=1, le=512, description="this role's LoRA rank (None: the run's lora_rank)")
@@ -376,15 +379,14 @@ class TrainConfig(_NoBooleanNumbers):
     def from_yaml(cls, path: Path) -> "TrainConfig":
         """Load a YAML mapping of field names.
 
-        Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not a regular
-        file of at most :data:`MAX_CONFIG_BYTES`, not YAML, a key given twice, not a mapping, nested deeper than
-        :data:`~agl_common.schemas.MAX_JSON_DEPTH`; ``UnicodeDecodeError`` for a file that is not UTF-8).
+        Raises ``pydantic.ValidationError`` (unknown keys, values out of range) or ``ValueError`` (not a readable
+        regular file of at most :data:`MAX_CONFIG_BYTES`: :func:`~agl_trainer.files.read_small_file`; not YAML, a key
+        given twice, not a mapping, nested deeper than :data:`~agl_common.schemas.MAX_JSON_DEPTH`;
+        ``UnicodeDecodeError`` for a file that is not UTF-8).
         """
-        path = Path(path)
-        if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:  # (/dev/zero, a FIFO: read for ever)
-            raise ValueError(f"{path}: not a regular file of at most {MAX_CONFIG_BYTES >> 20} MiB")
+        text = read_small_file(path, MAX_CONFIG_BYTES).decode()  # (/dev/zero, a FIFO, a file it may not read)
         try:
-            data = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
+            data = yaml.load(text, Loader=_ConfigLoader) or {}
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         except RecursionError:  # (round 15: 100,000 nested lists were a traceback)

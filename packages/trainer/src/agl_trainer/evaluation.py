@@ -58,7 +58,8 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
 
     With ``cfg.roles``: ``base`` → every role on the base model; ``vN`` → each role's newest adapter at or below
     N (``adapters/policy-v{k}-{role}``, the base model for a role never updated by then), in the newest run
-    (or ``run_dir``) that has one; a PATH is refused (a role's adapter is named by the run's versions).
+    (or ``run_dir``) that has one and was trained with the same roles (its ``config.json``); a PATH is refused (a
+    role's adapter is named by the run's versions).
 
     Raises:
         PolicyNotFound: no such adapter (the message names the places searched).
@@ -97,13 +98,24 @@ def _runs(cfg: TrainConfig, run_dir: Path | None) -> tuple[list[Path], str]:
 
 def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
     from .backends.roles import newest_saved, saved_versions
+    from .checkpoint import run_config
 
     m = re.fullmatch(r"v([0-9]{1,9})", spec)
     if not m:
         raise PolicyNotFound(f"--policy {spec!r}: with roles, the policy is base or vN (each role's adapter of a run)")
     version = int(m[1])
     runs, where = _runs(cfg, run_dir)
+    other = []  # runs trained with other roles: a role of this config would be served the base model in silence
     for run in runs:
+        try:
+            trained = run_config(run)
+        except ValueError as exc:
+            if run_dir:
+                raise PolicyNotFound(str(exc)) from None
+            continue
+        if trained is not None and sorted(trained.get("roles") or {}) != sorted(cfg.roles):
+            other.append(f"{run.name}: {', '.join(sorted(trained.get('roles') or {})) or 'no roles'}")
+            continue
         newest = max((v for r in cfg.roles for v in saved_versions(run / "adapters", r)), default=0)
         if version > newest:  # not a version this run reached
             continue
@@ -112,8 +124,9 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
             return EvalPolicy(cfg.model_name, version, roles={
                 r: (policy_name(v, r), (run / "adapters" / policy_name(v, r)).resolve()) if v else (cfg.model_name, None)
                 for r, v in found.items()})
+    also = f" (trained with other roles: {'; '.join(other[:3])})" if other else ""
     raise PolicyNotFound(f"no run reached version {version} with an adapter policy-v{{k}}-{{role}} (k <= {version}) "
-                         f"for the roles {', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
+                         f"for the roles {', '.join(cfg.roles)} in {where}{also}; give --run RUN_DIR")
 
 
 def result_table(res: dict, policy: EvalPolicy) -> Table:

@@ -15,8 +15,9 @@ Shapes (one record = one line of JSON Lines, one row of Parquet):
   ``response_mask`` (1 = sampled, 0 = context), ``logprobs`` (nats, 0.0 at mask 0), ``has_logprobs``.
 - ``messages``: SFT-ready chat conversations of the current attempt of each rollout (``ok`` chat-route calls):
   a call's request ``messages`` plus the assistant message it got back; a later call whose messages start
-  with that conversation extends it, any other starts a new record. Fields: ``rollout_id``, ``attempt_id``,
-  ``group_id``, ``reward``, ``status``, ``n_calls``, ``messages`` (``role``, ``content`` text, ``tool_calls``,
+  with that conversation (and is of the same role) extends it, any other starts a new record. Fields:
+  ``rollout_id``, ``attempt_id``, ``group_id``, ``reward``, ``status``, ``n_calls``, ``role`` (the sub-agent's
+  role, None without roles), ``messages`` (``role``, ``content`` text, ``tool_calls``,
   ``tool_call_id``, ``name``), ``tools`` (the request's ``tools``). Calls on the Anthropic ``messages`` and
   ``responses`` routes are not converted (counted in :attr:`ExportStats.skipped_calls`).
 
@@ -128,8 +129,12 @@ def sft_message(m: dict[str, Any]) -> dict[str, Any]:
             "tool_call_id": _str(m.get("tool_call_id")), "name": _str(m.get("name"))}
 
 
-def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[list[dict], Any, int]]:
-    """Chat conversations of one attempt's calls (ordered by ``seq``): ``(messages, tools, n_calls)`` each."""
+def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[list[dict], Any, int, str | None]]:
+    """Chat conversations of one attempt's calls (ordered by ``seq``): ``(messages, tools, n_calls, role)`` each.
+    A call extends the last conversation if that one is of its own role (:attr:`CallRecord.role`, None without
+    roles) and its request starts with that conversation's messages. Calls of two roles are never one
+    conversation, as training never merges them into one row (round 17: a checker's call that quoted the
+    solver's conversation was merged into it, its role dropped)."""
     out: list[list] = []
     for c in sorted(calls, key=lambda c: c.seq):
         if c.status != "ok" or not isinstance(c.response, dict):
@@ -144,10 +149,11 @@ def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[lis
             continue
         sent = [sft_message(m) for m in c.request.get("messages", []) if isinstance(m, dict)]
         conv = sent + [sft_message(message)]
-        if out and sent[:len(out[-1][0])] == out[-1][0]:
-            out[-1][0], out[-1][1], out[-1][2] = conv, c.request.get("tools") or out[-1][1], out[-1][2] + 1
+        last = out[-1] if out and out[-1][3] == c.role else None
+        if last is not None and sent[:len(last[0])] == last[0]:
+            last[0], last[1], last[2] = conv, c.request.get("tools") or last[1], last[2] + 1
         else:
-            out.append([conv, c.request.get("tools"), 1])
+            out.append([conv, c.request.get("tools"), 1, c.role])
     return [tuple(x) for x in out]
 
 
@@ -173,10 +179,11 @@ async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfi
             out += [c.model_dump(mode="json") for c in await store.read_calls(r.rollout_id)]
     elif shape == "messages":
         for r in rollouts:
-            for messages, tools, n in conversations(await store.read_calls(r.rollout_id, r.attempt_id), stats):
+            for messages, tools, n, role in conversations(await store.read_calls(r.rollout_id, r.attempt_id),
+                                                          stats):
                 out.append({"rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "group_id": r.group_id,
-                            "reward": r.reward, "status": r.status.value, "n_calls": n, "messages": messages,
-                            "tools": tools})
+                            "reward": r.reward, "status": r.status.value, "n_calls": n, "role": role,
+                            "messages": messages, "tools": tools})
     else:
         out = await _rows(store, rollouts, cfg or TrainConfig(), eos_token_ids, decode)
     stats.rollouts, stats.records = len(rollouts), len(out)

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .config import TrainConfig
-from .checkpoint import NotResumable, resume_state
+from .checkpoint import NotResumable, resume_state, run_config, weight_settings
 from .loop import train_async
 
 
@@ -83,16 +83,34 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
 
 
 def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
-    """Raise :class:`NotResumable` if ``cfg``'s roles differ from those the run at ``run_dir`` was trained with
-    (its ``config.json``): each role's weights and optimizer are in ``checkpoint/{role}``. Checked before any
-    service starts."""
+    """Raise :class:`NotResumable` (one line, before any service starts) if the checkpoint of the run at
+    ``run_dir`` cannot be restored into ``cfg``: its ``config.json`` cannot be read, or it was trained with other
+    roles (each role's weights and optimizer are in ``checkpoint/{role}``) or other :func:`weight_settings` (a
+    LoRA rank the weights do not fit, an alpha or base model that would train another policy than the engine
+    serves), or a role's adapter that it served at the checkpoint is gone (:func:`~.backends.roles.missing_served`).
+    A run without ``config.json`` is left to the checkpoint to say what is missing."""
+    from .backends.roles import missing_served
+
     try:
-        before = json.loads((run_dir / "config.json").read_text()).get("roles") or {}
-    except (OSError, ValueError, AttributeError):
-        return  # no readable config: the checkpoint itself says what is missing
-    if sorted(before) != sorted(cfg.roles):
-        raise NotResumable(f"{run_dir} was trained with roles {sorted(before) or 'none'}, this config has "
-                           f"{sorted(cfg.roles) or 'none'}: resume it with the roles it was trained with")
+        before = run_config(run_dir)
+        if before is None:
+            return
+        was, now = weight_settings(before), weight_settings(cfg.shown())
+    except ValueError as exc:
+        raise NotResumable(f"{run_dir}: {exc}") from None
+    if sorted(was["adapters"]) != sorted(now["adapters"]):
+        raise NotResumable(f"{run_dir} was trained with roles {sorted(before.get('roles') or {}) or 'none'}, this "
+                           f"config has {sorted(cfg.roles) or 'none'}: resume it with the roles it was trained with")
+    changed = [f"{role + ' ' if role else ''}lora_rank/lora_alpha {tuple(was['adapters'][role])} → "
+               f"{tuple(now['adapters'][role])}" for role in sorted(now["adapters"])
+               if was["adapters"][role] != now["adapters"][role]]
+    if was["base_model"] != now["base_model"]:
+        changed.append(f"base_model {was['base_model']!r} → {now['base_model']!r}")
+    if changed:
+        raise NotResumable(f"{run_dir} was trained with other weight settings ({'; '.join(changed)}): its checkpoint "
+                           "cannot be restored into this config; resume it with the settings it was trained with")
+    if cfg.roles and (why := missing_served(run_dir, list(cfg.roles))):
+        raise NotResumable(why)
 
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):

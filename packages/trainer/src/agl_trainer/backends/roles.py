@@ -9,19 +9,27 @@ role of a multi-agent harness, behind the one :class:`agl_trainer.backends.base.
 - **publish**: every updated role's adapter is saved and hot-loaded as ``policy-v{N}-{role}``; the returned
   :class:`Policy` routes every role at once (one version for the step); a skipped role keeps serving what it
   served (its adapter is not published anew).
-- **checkpoint / restore**: each role's weights and optimizer in ``{path}/{role}``.
-- **serve** (a resumed run): each role serves its newest saved adapter at or below the version, or the base model.
+- **checkpoint / restore**: each role's weights and optimizer in ``{path}/{role}``, and the version each role
+  served in ``{path}/served.json`` (:data:`SERVED_FILE`).
+- **serve** (a resumed run): after :meth:`RolesBackend.restore`, each role serves the adapter it served at the
+  checkpoint (a missing one is an error, never an older one in silence); before it (or from a checkpoint written
+  without ``served.json``), its newest saved adapter at or below the version, or the base model.
 
 Each role holds its own copy of the base model in memory (a 135M-parameter model: ~0.5 GB in fp32 per role).
 """
 
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 from typing import Any
 
 from agl_common.schemas import Policy, policy_name, policy_version
+
+from ..files import read_small_file
+
+#: The file in a roles checkpoint that says which version each role served (role → version, 0: the base model).
+SERVED_FILE = "served.json"
 
 #: stats averaged over the updated roles (weighted by their rows); the other numeric stats are summed
 MEAN_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "ratio_first", "clip_frac_first", "entropy", "kl")
@@ -46,6 +54,7 @@ class RolesBackend:
             raise ValueError(f"backends for roles {sorted(backends)} but the policy has roles {sorted(base.roles)}")
         self.backends, self.base = backends, base
         self.served_version = {role: 0 for role in backends}  # the version each role's adapter was published at
+        self.restored: dict[str, int] | None = None  # what each role served at the restored checkpoint
         self.updated: list[str] = []
         self.to_retire: dict[str, int] = {}
 
@@ -99,9 +108,17 @@ class RolesBackend:
         return self.policy(version)
 
     async def serve(self, version: int) -> Policy:
-        """Each role serves its newest adapter saved at or below ``version`` (the base model without one)."""
+        """Each role serves what it served at the restored checkpoint (:meth:`restore`), else its newest adapter
+        saved at or below ``version`` (the base model without one). Raises ``FileNotFoundError`` if a restored
+        role's adapter is missing or newer than ``version``."""
         for role, backend in self.backends.items():
-            v = newest_saved(backend.out_dir, role, version)
+            if self.restored is None:
+                v = newest_saved(backend.out_dir, role, version)
+            else:
+                v = self.restored[role]
+                if v > version or (v and v not in saved_versions(backend.out_dir, role)):
+                    raise FileNotFoundError(f"role {role} served {policy_name(v, role)} at the checkpoint (version "
+                                            f"{version}), but {backend.out_dir} holds no such adapter")
             if v:
                 await backend.serve(v)
             self.served_version[role] = v
@@ -115,14 +132,21 @@ class RolesBackend:
         self.to_retire = {}
 
     def checkpoint(self, path: Path) -> None:
-        """Each role's LoRA weights and optimizer state under ``{path}/{role}``."""
+        """Each role's LoRA weights and optimizer state under ``{path}/{role}``; the version each serves in
+        ``{path}/served.json``."""
         for role, backend in self.backends.items():
             backend.checkpoint(Path(path) / role)
+        (Path(path) / SERVED_FILE).write_text(json.dumps(self.served_version))
 
     def restore(self, path: Path) -> None:
-        """Load what :meth:`checkpoint` wrote; ``FileNotFoundError`` if a role's part is missing."""
+        """Load what :meth:`checkpoint` wrote; ``FileNotFoundError`` if a role's part is missing, ``ValueError`` if
+        its ``served.json`` is not one (a checkpoint written before it existed has none: :meth:`serve` then takes
+        each role's newest saved adapter)."""
+        self.restored = served_at(Path(path), list(self.backends))
         for role, backend in self.backends.items():
             backend.restore(Path(path) / role)
+        if self.restored is not None:
+            self.served_version = dict(self.restored)
 
 
 def saved_versions(out_dir: Path, role: str) -> list[int]:
@@ -136,3 +160,34 @@ def saved_versions(out_dir: Path, role: str) -> list[int]:
 def newest_saved(out_dir: Path, role: str, version: int) -> int:
     """The newest version ``v <= version`` of :func:`saved_versions` (0: none, the base model)."""
     return max((v for v in saved_versions(out_dir, role) if v <= version), default=0)
+
+
+def served_at(checkpoint: Path, roles: list[str]) -> dict[str, int] | None:
+    """The version each of ``roles`` served when ``checkpoint`` was written (its :data:`SERVED_FILE`), or None if
+    it has none. Raises ``ValueError`` (one line) if the file cannot be read or does not give every role, and no
+    other, a version (a non-negative integer)."""
+    path = Path(checkpoint) / SERVED_FILE
+    if not path.exists():
+        return None
+    try:
+        served = json.loads(read_small_file(path, 1 << 20))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not (isinstance(served, dict) and sorted(served) == sorted(roles)
+            and all(type(v) is int and v >= 0 for v in served.values())):
+        raise ValueError(f"{path} does not give each of the roles {', '.join(sorted(roles))} a version")
+    return served
+
+
+def missing_served(run_dir: Path, roles: list[str]) -> str | None:
+    """Why the run at ``run_dir`` cannot serve what its roles served at its checkpoint (:func:`served_at`): a
+    role's adapter missing from ``adapters/``, or ``served.json`` unreadable; None if nothing is missing."""
+    try:
+        served = served_at(Path(run_dir) / "checkpoint", roles)
+    except ValueError as exc:
+        return str(exc)
+    for role, v in sorted((served or {}).items()):
+        if v and v not in saved_versions(Path(run_dir) / "adapters", role):
+            return (f"role {role} served {policy_name(v, role)} at the checkpoint, but "
+                    f"{Path(run_dir) / 'adapters'} holds no such adapter")
+    return None

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 
 from agl_common.schemas import MAX_JSON_DEPTH, too_deep
 from agl_common.settings import redacted_text
+
+from ..files import read_small_file
 
 #: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
 RUNNING_WINDOW_S = 300
@@ -100,23 +101,13 @@ def _loads(text: str) -> Any:
 
 def read_text(path: Path) -> str | None:
     """The text of ``path`` if it is a regular file of at most :data:`MAX_RUN_FILE_BYTES`, else None: a FIFO (whose
-    open would block the dashboard's event loop for good), a device (``/dev/zero``), a directory or a file too large
-    read as missing. Undecodable bytes are replaced."""
+    open would block the dashboard's event loop for good), a device (``/dev/zero``), a directory, a file too large
+    or one that cannot be read count as missing (:func:`~agl_trainer.files.read_small_file`). Undecodable bytes
+    are replaced."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once, then fails the check below)
-    except OSError:
+        return read_small_file(path, MAX_RUN_FILE_BYTES).decode("utf-8", errors="replace")
+    except ValueError:
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_RUN_FILE_BYTES:
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_RUN_FILE_BYTES + 1)
-        return None if len(data) > MAX_RUN_FILE_BYTES else data.decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
