@@ -113,8 +113,9 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
             if run_dir:
                 raise PolicyNotFound(str(exc)) from None
             continue
-        if trained is not None and sorted(trained.get("roles") or {}) != sorted(cfg.roles):
-            other.append(f"{run.name}: {', '.join(sorted(trained.get('roles') or {})) or 'no roles'}")
+        trained_roles = sorted((trained or {}).get("roles") or {})
+        if trained is not None and trained_roles != sorted(cfg.roles):
+            other.append(f"{run.name}: {', '.join(trained_roles) or 'no roles'}")
             continue
         newest = max((v for r in cfg.roles for v in saved_versions(run / "adapters", r)), default=0)
         if version > newest:  # not a version this run reached

@@ -116,9 +116,8 @@ class RolesBackend:
                 v = newest_saved(backend.out_dir, role, version)
             else:
                 v = self.restored[role]
-                if v > version or (v and v not in saved_versions(backend.out_dir, role)):
-                    raise FileNotFoundError(f"role {role} served {policy_name(v, role)} at the checkpoint (version "
-                                            f"{version}), but {backend.out_dir} holds no such adapter")
+                if why := adapter_missing(backend.out_dir, role, v if v <= version else None):
+                    raise FileNotFoundError(why)
             if v:
                 await backend.serve(v)
             self.served_version[role] = v
@@ -187,7 +186,16 @@ def missing_served(run_dir: Path, roles: list[str]) -> str | None:
     except ValueError as exc:
         return str(exc)
     for role, v in sorted((served or {}).items()):
-        if v and v not in saved_versions(Path(run_dir) / "adapters", role):
-            return (f"role {role} served {policy_name(v, role)} at the checkpoint, but "
-                    f"{Path(run_dir) / 'adapters'} holds no such adapter")
+        if why := adapter_missing(Path(run_dir) / "adapters", role, v):
+            return why
     return None
+
+
+def adapter_missing(out_dir: Path, role: str, version: int | None) -> str | None:
+    """Why ``role`` cannot serve ``version`` (what it served at a checkpoint) from ``out_dir``: no complete
+    adapter :func:`saved_versions` has (version None: one newer than the checkpoint's); None if it can (version 0,
+    the base model, always can)."""
+    if version == 0 or (version is not None and version in saved_versions(out_dir, role)):
+        return None
+    what = policy_name(version, role) if version is not None else "a version newer than the checkpoint's"
+    return f"role {role} served {what} at the checkpoint, but {out_dir} holds no such adapter"
