@@ -26,7 +26,7 @@ import random
 import time
 
 from agl_common.schemas import CallRecord
-from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
+from agl_trainer.algorithm.aggregate import AggregateStats, Vocabulary, build_rows
 
 IM_END = 2
 
@@ -83,11 +83,12 @@ def main() -> None:
     print(f"{args.rollouts} rollouts × {args.calls} calls, ~{args.context_tokens + args.response_tokens} new "
           f"tokens per call (records built in {time.perf_counter() - t0:.1f} s, not timed)")
     run_case("trajectory", data)
-    run_case("trajectory + eos check + limits", data, eos_token_ids={IM_END}, max_prompt_tokens=100_000,
+    run_case("trajectory + eos check + limits", data, vocab=Vocabulary(eos_ids=frozenset({IM_END}), size=49_152),
+             max_prompt_tokens=100_000,
              max_response_tokens=32_768)
     run_case("transition", data, mode="transition")
     run_case(f"trajectory, break every 5 calls ({len(broken)} r.)", broken,
-             decode=lambda ids: " ".join(map(str, ids)))
+             vocab=Vocabulary(lambda ids: " ".join(map(str, ids))))
 
 
 if __name__ == "__main__":

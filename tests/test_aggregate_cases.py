@@ -14,7 +14,7 @@ import pytest
 import torch
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
 from agl_trainer.algorithm.advantage import grpo_advantages
-from agl_trainer.algorithm.aggregate import AggregateStats, build_rows, classify_break, first_difference
+from agl_trainer.algorithm.aggregate import AggregateStats, Vocabulary, build_rows, classify_break, first_difference
 from agl_trainer.model import end_of_turn_ids
 from agl_trainer.config import TrainConfig
 from agl_trainer.algorithm.batch import build_batch
@@ -80,12 +80,13 @@ def test_non_canonical_response_is_a_retokenized_break(tok):
     assert odd != canonical and tok.decode(odd) == tok.decode(canonical) == text
     # control: the canonical ids merge into one row
     stats = AggregateStats()
-    assert len(build_rows(list(two_turns(tok, text, canonical + [IM_END])), stats=stats, decode=tok.decode)) == 1
+    assert len(build_rows(list(two_turns(tok, text, canonical + [IM_END])), stats=stats,
+                          vocab=Vocabulary(tok.decode))) == 1
     assert stats.merge_breaks == 0
     # the non-canonical ids: same text, different ids → never silently merged
     c1, c2 = two_turns(tok, text, odd + [IM_END])
     stats = AggregateStats()
-    rows = build_rows([c1, c2], stats=stats, decode=tok.decode, eos_token_ids={IM_END})
+    rows = build_rows([c1, c2], stats=stats, vocab=Vocabulary(tok.decode, frozenset({IM_END})))
     assert [r.prompt_ids for r in rows] == [c1.prompt_token_ids, c2.prompt_token_ids]
     assert [r.n_calls for r in rows] == [1, 1]
     assert stats.merge_breaks == 1 and stats.merge_break_classes == {"retokenized": 1}
@@ -106,7 +107,7 @@ def test_stop_token_without_newline_merges_with_newline_as_context(tok):
     n1 = len(c1.prompt_token_ids) + len(response)
     assert c2.prompt_token_ids[:n1] == c1.prompt_token_ids + response and c2.prompt_token_ids[n1] == NEWLINE
     stats = AggregateStats()
-    (row,) = build_rows([c1, c2], stats=stats, decode=tok.decode, eos_token_ids={IM_END})
+    (row,) = build_rows([c1, c2], stats=stats, vocab=Vocabulary(tok.decode, frozenset({IM_END})))
     assert stats.merge_breaks == 0 and row.n_calls == 2
     assert row.full_ids() == c2.prompt_token_ids + c2.response_token_ids
     k = len(response)  # index in response_ids of the template's "\n" after <|im_end|>
@@ -120,7 +121,7 @@ def test_missing_stop_token(tok):
 
     With this template turn 2's prompt is ``... text <|im_end|> \\n <|im_start|>user ...``, so the
     response ids *are* still an exact prefix of it: by ids alone the calls merge and the ``<|im_end|>``
-    the policy produced lands in the row as context (mask 0), silently. So: given ``eos_token_ids``,
+    the policy produced lands in the row as context (mask 0), silently. So: given end-of-turn ids,
     build_rows refuses that merge and counts a ``missing_stop_token`` break; without them it merges (the
     id-only rule). A ``finish_reason="length"`` response legitimately lacks the stop token (the template
     closes the cut turn), so it merges either way.
@@ -134,7 +135,7 @@ def test_missing_stop_token(tok):
     assert stats.merge_breaks == 0 and row.response_ids[k] == IM_END and row.response_mask[k] == 0
     # with the end-of-turn ids: a new row and a counted `missing_stop_token` break
     stats = AggregateStats()
-    rows = build_rows([c1, c2], stats=stats, decode=tok.decode, eos_token_ids={IM_END})
+    rows = build_rows([c1, c2], stats=stats, vocab=Vocabulary(tok.decode, frozenset({IM_END})))
     assert len(rows) == 2 and [r.n_calls for r in rows] == [1, 1]
     assert stats.merge_breaks == 1 and stats.merge_break_classes == {"missing_stop_token": 1}
     (ex,) = stats.merge_break_examples["missing_stop_token"]
@@ -143,7 +144,8 @@ def test_missing_stop_token(tok):
     # cut at max_tokens: merges
     c1_len = rec(0, c1.prompt_token_ids, c1.response_token_ids, finish_reason="length")
     stats = AggregateStats()
-    assert len(build_rows([c1_len, c2], stats=stats, eos_token_ids={IM_END})) == 1 and stats.merge_breaks == 0
+    rows = build_rows([c1_len, c2], stats=stats, vocab=Vocabulary(eos_ids=frozenset({IM_END})))
+    assert len(rows) == 1 and stats.merge_breaks == 0
 
 
 # (3) compact tool-call JSON re-rendered by the harness with other spacing → a `template_rerender` break
@@ -161,7 +163,7 @@ def test_tool_call_rerendered_with_other_spacing_is_a_break(tok):
                                  {"role": "assistant", "content": "1 + 2 = 3."}, {"role": "user", "content": "Thanks"}])
     c3 = rec(2, p3, encode(tok, "You're welcome.") + [IM_END])
     stats = AggregateStats()
-    rows = build_rows([c1, c2, c3], stats=stats, decode=tok.decode, eos_token_ids={IM_END})
+    rows = build_rows([c1, c2, c3], stats=stats, vocab=Vocabulary(tok.decode, frozenset({IM_END})))
     assert [r.n_calls for r in rows] == [1, 2]  # the break, then call 3 extends call 2 exactly
     assert stats.merge_breaks == 1 and stats.merge_break_classes == {"template_rerender": 1}
     (ex,) = stats.merge_break_examples["template_rerender"]
@@ -184,7 +186,7 @@ def test_multi_row_rollout_counts_once(tok):
     rewards = {"a": 1.0, "b": 0.0, "c": 0.0}
     rollouts = [Rollout(rollout_id=r, status=RolloutStatus.succeeded, reward=v, group_id="g")
                 for r, v in rewards.items()]
-    rows, row_adv, stats, _ = build_batch(rollouts, calls, TrainConfig(), tok.decode, {IM_END})
+    rows, row_adv, stats, _ = build_batch(rollouts, calls, TrainConfig(), Vocabulary(tok.decode, frozenset({IM_END})))
     assert [r.rollout_id for r in rows] == ["a", "a", "b", "c"] and stats.merge_breaks == 1
     # the group statistics see 3 rollouts (not 4 rows): A = (r - 1/3) / std([1, 0, 0])
     expected = grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0])).tolist()
@@ -241,7 +243,7 @@ def test_examples_are_capped_and_json_ready():
     stats = AggregateStats(max_examples=2)
     for i in range(5):
         build_rows([rec(0, [1, 2], [3], rid=f"r{i}"), rec(1, [1, 2, 7], [4], rid=f"r{i}")], stats=stats,
-                   decode=lambda ids: " ".join(map(str, ids)))
+                   vocab=Vocabulary(lambda ids: " ".join(map(str, ids))))
     assert stats.merge_breaks == 5 and stats.merge_break_classes == {"template_rerender": 5}
     assert len(stats.merge_break_examples["template_rerender"]) == 2
     m = json.loads(json.dumps(stats.metrics()))
@@ -252,7 +254,7 @@ def test_examples_are_capped_and_json_ready():
     def bad(ids):
         raise KeyError("unknown id")
 
-    assert len(build_rows([rec(0, [1], [3]), rec(1, [1, 4], [5])], stats=stats, decode=bad)) == 2
+    assert len(build_rows([rec(0, [1], [3]), rec(1, [1, 4], [5])], stats=stats, vocab=Vocabulary(bad))) == 2
     assert stats.merge_break_classes == {"other": 1}
 
 

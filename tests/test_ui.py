@@ -27,7 +27,7 @@ from agl_common.store import Store
 from agl_gateway import GatewaySettings, create_app as gateway_app
 from agl_trainer.ui.runs import load_run
 from agl_trainer.ui.server import CALLS_PER_PAGE, ROWS_PER_PAGE, create_app
-from agl_trainer.ui.traces import Decoder
+from agl_trainer.algorithm.aggregate import Vocabulary
 
 from fakes import Served, free_port
 from ui_records import EOS, char_upstream, decode, record_run, step_line
@@ -60,7 +60,7 @@ def recorded(redis_url, tmp_path_factory):
     old = time.time() - 3600  # a run that stopped an hour ago (the live test appends a step: running again)
     for f in data["run_dir"].iterdir():
         os.utime(f, (old, old))
-    with Served(create_app(redis_url, prefix, runs_dir, Decoder(decode, {EOS}))) as ui:
+    with Served(create_app(redis_url, prefix, runs_dir, Vocabulary(decode, frozenset({EOS})))) as ui:
         yield {"url": ui.url, "prefix": prefix, "redis_url": redis_url, "run_id": run_id, "runs_dir": runs_dir, **data}
     r = redis_sync.Redis.from_url(redis_url)
     keys = list(r.scan_iter(match=prefix + "*", count=1000))
@@ -470,7 +470,7 @@ def test_a_hand_edited_metrics_file_with_odd_groups_is_no_503(redis_url, tmp_pat
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in (
         {"step": 1, "groups": [1, {"a": 2}, None, "g-odd"], "reward_mean": 0.5}, {"step": 2, "groups": "abc"})) + "\n")
     prefix = f"test-ui-odd-{uuid.uuid4().hex[:8]}:"
-    with Served(create_app(redis_url, prefix, tmp_path, Decoder(decode, {EOS}))) as ui:
+    with Served(create_app(redis_url, prefix, tmp_path, Vocabulary(decode, frozenset({EOS})))) as ui:
         for path, status in (("/", 200), ("/runs/r1", 200), ("/runs/r1/steps/1", 200), ("/runs/r1/steps/2", 200),
                              ("/runs/r1/steps/1/groups/1", 404), ("/runs/r1/steps/2/groups/a", 404),
                              ("/runs/r1/steps/1/groups/g-odd", 200)):

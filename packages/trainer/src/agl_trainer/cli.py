@@ -598,23 +598,22 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
         raise typer.Exit(2) from None
     cfg = _load_config(config, uses_redis=False) if config is not None else None
     stats = ExportStats()
-    eos_ids, decode = None, None
+    vocab = None
     if shape == "rows":  # the base model's end-of-turn ids, as training reads them
         from .model import ensure_base_model
         from .ui.traces import load_decoder
 
         try:
             base = ensure_base_model(cfg.base_model if cfg else None)
-            decoder = load_decoder(str(base))
+            vocab = load_decoder(str(base))
         except (OSError, ValueError) as exc:  # (round 17: a base_model without a tokenizer was a traceback)
             err.print(f"[red]the base model's tokenizer[/red]: {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2) from None
-        eos_ids, decode = decoder.eos_ids, decoder.decode
 
     async def main():
         store = _store(redis, prefix)
         try:
-            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, cfg, eos_ids, decode,
+            return await collect(store, ExportFilter(rollout, run, state, min_reward), shape, cfg, vocab,
                                  stats=stats)
         finally:
             await store.close()

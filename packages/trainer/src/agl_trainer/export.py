@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +38,7 @@ import orjson
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus, first_choice
 from agl_common.store import Store
 
+from .algorithm.aggregate import Vocabulary
 from .algorithm.evalstats import outcome_reward
 from .config import TrainConfig
 
@@ -158,12 +158,12 @@ def conversations(calls: list[CallRecord], stats: ExportStats) -> list[tuple[lis
 
 
 async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfig | None = None,
-                  eos_token_ids: Collection[int] | None = None, decode: Callable[[list[int]], str] | None = None,
-                  stats: ExportStats | None = None) -> list[dict[str, Any]]:
+                  vocab: Vocabulary | None = None, stats: ExportStats | None = None) -> list[dict[str, Any]]:
     """Records of ``shape`` for the rollouts matching ``flt`` (see the module docstring for each shape).
 
-    ``cfg`` (the run's settings; defaults if None), ``eos_token_ids`` and ``decode`` are used by ``rows`` only,
-    as training uses them (:func:`agl_trainer.algorithm.batch.build_batch`).
+    ``cfg`` (the run's settings; defaults if None) and ``vocab`` (the trained model's
+    :class:`~agl_trainer.algorithm.aggregate.Vocabulary`) are used by ``rows`` only, as training uses them
+    (:func:`agl_trainer.algorithm.batch.build_batch`).
 
     Raises:
         ExportError: unknown ``shape``.
@@ -185,7 +185,7 @@ async def collect(store: Store, flt: ExportFilter, shape: Shape, cfg: TrainConfi
                             "reward": r.reward, "status": r.status.value, "n_calls": n, "role": role,
                             "messages": messages, "tools": tools})
     else:
-        out = await _rows(store, rollouts, cfg or TrainConfig(), eos_token_ids, decode)
+        out = await _rows(store, rollouts, cfg or TrainConfig(), vocab)
     stats.rollouts, stats.records = len(rollouts), len(out)
     return out
 
@@ -213,8 +213,8 @@ async def group_members(store: Store, rollouts: list[Rollout]) -> list[Rollout]:
     return list(out.values())
 
 
-async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig, eos_token_ids: Collection[int] | None,
-                decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
+async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
+                vocab: Vocabulary | None) -> list[dict[str, Any]]:
     """The training rows of ``rollouts``: training's own selection and batch builder over their whole groups
     (:func:`agl_trainer.algorithm.batch.select_groups` with ``cfg.min_group_size``, then
     :func:`agl_trainer.algorithm.batch.build_batch`), only the given rollouts' rows kept."""
@@ -222,7 +222,7 @@ async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig, eos_tok
 
     kept, _ = select_groups(await group_members(store, rollouts), cfg.min_group_size)
     calls = {r.rollout_id: await store.read_calls(r.rollout_id, r.attempt_id) for r in kept}
-    rows, advantages, _, _ = build_batch(kept, calls, cfg, decode, eos_token_ids)
+    rows, advantages, _, _ = build_batch(kept, calls, cfg, vocab)
     wanted = {r.rollout_id: r for r in rollouts}
     out, index = [], Counter()
     for row, a in zip(rows, advantages):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from agl_common.control import resume as resume_gateway
@@ -32,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import compute
+from .algorithm.aggregate import Vocabulary
 from .algorithm.batch import build_batch, select_groups
 from .algorithm.evalstats import accuracy, reward_mean
 from .algorithm.stepstats import TIME_KEYS, batch_signals, role_signals, rollout_phase_split
@@ -48,14 +48,14 @@ from .trackers import Trackers
 class TrainingRun:
     """One run against running services: its tasks, store, backend, trackers and what it measured so far.
 
-    ``tokenizer_decode`` (token ids → text) and ``eos_ids`` (end-of-turn ids) classify merge breaks
-    (:func:`agl_trainer.model.load_tokenizer` gives both); the loop loads no model itself.
+    ``vocab``: the trained model's :class:`~agl_trainer.algorithm.aggregate.Vocabulary` (merge-break classes,
+    end-of-turn ids, the bound on token ids; :func:`agl_trainer.model.load_vocabulary`); the loop loads no model.
     """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console, store: Store, backend,
-                 decode: Callable[[list[int]], str] | None, eos_ids: set[int] | None, progress: Progress):
+                 vocab: Vocabulary | None, progress: Progress):
         self.cfg, self.run_dir, self.console, self.store, self.backend = cfg, run_dir, console, store, backend
-        self.decode, self.eos_ids, self.progress = decode, eos_ids, progress
+        self.vocab, self.progress = vocab, progress
         self.train = load_tasks(cfg.task_file, cfg.train_fn)
         self.heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
         self.subset = self.heldout[: cfg.eval_subset]
@@ -143,7 +143,7 @@ class TrainingRun:
         rollouts = [r for g in batch.groups for r in g.rollouts]
         calls = {r.rollout_id: await store.read_calls(r.rollout_id, r.attempt_id) for r in rollouts}
         kept, counts = select_groups(rollouts, cfg.min_group_size)
-        rows, row_adv, astats, adv_stats = build_batch(kept, calls, cfg, self.decode, self.eos_ids)
+        rows, row_adv, astats, adv_stats = build_batch(kept, calls, cfg, self.vocab)
         m = {"step": step, "policy_version": self.version, "reward_mean": reward_mean(rollouts),
              "accuracy": accuracy(rollouts, self.is_correct),
              "calls_per_rollout": astats.calls / max(1, len(kept)), "rows": astats.rows,
@@ -232,22 +232,22 @@ def step_line(m: dict, train_s: float) -> str:
 
 
 async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_url: str, state: dict | None,
-                      backend, decode: Callable[[list[int]], str] | None = None,
-                      eos_ids: set[int] | None = None) -> dict:
+                      backend, vocab: Vocabulary | None = None) -> dict:
     """The loop proper, against running services. Returns the summary (also written to ``summary.json``).
 
     ``state``: the checkpoint to resume from (:func:`agl_trainer.checkpoint.load_checkpoint`); the backend
     should already serve its version (the caller does it before any agent runs; the loop restores and serves
     it again). ``backend``: the :class:`agl_trainer.backends.base.Backend` that trains and serves the policy.
-    ``decode``, ``eos_ids``: the base model's tokenizer decode and end-of-turn ids (merge-break classes; rows
-    are built without them too). Raises :class:`agl_trainer.tasks.TaskError` for an unusable task file.
+    ``vocab``: the base model's :class:`~agl_trainer.algorithm.aggregate.Vocabulary` (rows are built without one
+    too: no merge-break classes, no stop-token check, no bound on ids). Raises :class:`agl_trainer.tasks.TaskError`
+    for an unusable task file.
     """
     store = Store(redis_url, cfg.prefix)
     # On a terminal: live progress bars. Otherwise (a pipe, a log): one line per event, nothing buffered.
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True, disable=not console.is_terminal)
     try:
-        run = TrainingRun(cfg, run_dir, console, store, backend, decode, eos_ids, progress)
+        run = TrainingRun(cfg, run_dir, console, store, backend, vocab, progress)
     except BaseException:
         await store.close()
         raise

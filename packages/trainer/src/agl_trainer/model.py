@@ -76,7 +76,7 @@ def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEF
 
 
 def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
-    """End-of-turn/eos ids to pass as ``build_rows(eos_token_ids=...)``: the tokenizer's ``eos_token_id``
+    """End-of-turn/eos ids for :class:`~agl_trainer.algorithm.aggregate.Vocabulary`: the tokenizer's ``eos_token_id``
     plus the model's ``generation_config.json`` ``eos_token_id`` (an int or a list; the engine stops on
     those too), read from ``model_dir`` if given. SmolLM2-Instruct: ``{2}`` (``<|im_end|>``)."""
     ids: set[int] = set()
@@ -90,11 +90,27 @@ def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
     return ids
 
 
-def load_tokenizer(model_dir: str | Path):
-    """``(tokenizer, end-of-turn ids)`` of the model in ``model_dir``: ``AutoTokenizer`` and
-    :func:`end_of_turn_ids`, what training, export and the dashboard decode rows and merge breaks with.
+def embedded_ids(tokenizer, model_dir=None) -> int:
+    """How many token ids the model embeds: ``config.json``'s ``vocab_size`` (or its ``text_config``'s) in
+    ``model_dir`` when it has one (often padded past the tokenizer: Qwen2.5 151,936 for 151,665 tokens), else
+    ``len(tokenizer)`` (a tokenizer-only directory). SmolLM2-135M: 49,152."""
+    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        config = json.loads(path.read_text())
+        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if isinstance(size, int) and size > 0:
+            return size
+    return len(tokenizer)
+
+
+def load_vocabulary(model_dir: str | Path):
+    """The :class:`~agl_trainer.algorithm.aggregate.Vocabulary` of the model in ``model_dir`` (``AutoTokenizer``,
+    :func:`end_of_turn_ids`, :func:`embedded_ids`): what training, export and the dashboard build rows with.
     Raises ``OSError`` (transformers) if the directory holds no tokenizer."""
     from transformers import AutoTokenizer
 
+    from .algorithm.aggregate import Vocabulary
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return tokenizer, end_of_turn_ids(tokenizer, model_dir)
+    return Vocabulary(decode=tokenizer.decode, eos_ids=frozenset(end_of_turn_ids(tokenizer, model_dir)),
+                      size=embedded_ids(tokenizer, model_dir))

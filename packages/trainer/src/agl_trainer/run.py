@@ -34,7 +34,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
     """
     from .cycle import check_engine
-    from .model import load_tokenizer
+    from .model import load_vocabulary
     from .services import Services
     from .stack import start_agents, start_engine
 
@@ -70,10 +70,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
         console.print(f"engine {redacted_urls(engine)}, gateway {redacted_url(gateway)}, "
                       f"redis {redacted_url(redis_url)}, run {run_dir}")
-        tokenizer, eos_ids = load_tokenizer(base)  # merge-break classes and end-of-turn ids, once per run
+        vocab = load_vocabulary(base)  # merge-break classes, end-of-turn ids, the bound on ids: once per run
         try:
-            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, tokenizer.decode,
-                                           eos_ids))
+            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab))
         finally:
             if cfg.engine_url and cfg.policy_serving == "merged":  # an engine this run did not start: base again
                 try:

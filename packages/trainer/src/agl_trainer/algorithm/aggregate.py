@@ -17,7 +17,7 @@ sequence, ``P`` = the next call's prompt ids, ``d`` = the first index where they
 
 - ``role_change``: the next call was made by another role (:attr:`CallRecord.role`: a sub-agent with its own
   policy): rows never mix roles, whatever the ids, since each role's rows train its own adapter.
-- ``missing_stop_token``: only with ``eos_token_ids``. ``P`` does extend ``S`` exactly, but the row's
+- ``missing_stop_token``: only with the vocabulary's ``eos_ids``. ``P`` does extend ``S`` exactly, but the row's
   last call finished with ``finish_reason`` ``"stop"`` or ``"tool_calls"`` and its response ids do not end
   with an end-of-turn/eos id: the engine stopped on a token (or stop string) that is not in the recorded
   ids, and the template's ``<|im_end|>`` in ``P`` would silently become context. The merge is refused.
@@ -29,14 +29,14 @@ sequence, ``P`` = the next call's prompt ids, ``d`` = the first index where they
   back re-rendered (a parsed tool call re-serialized with other spacing, stripped whitespace...).
 - ``other``: anything else (history edited before the last response, a prompt shorter than ``S``...).
 
-Without a ``decode`` function, ``retokenized`` and ``template_rerender`` cannot be told apart from
+Without a vocabulary's ``decode``, ``retokenized`` and ``template_rerender`` cannot be told apart from
 each other or from anything else, so those breaks are all ``other``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agl_common.schemas import CallRecord, sampling_not_plain
@@ -131,7 +131,7 @@ class AggregateStats:
                 "truncated_tokens": self.truncated_tokens}
 
 
-def _usable(call: CallRecord, stats: AggregateStats) -> bool:
+def _usable(call: CallRecord, stats: AggregateStats, vocab: Vocabulary) -> bool:
     if call.status != "ok":
         stats.skipped_calls["error"] += 1
         return False
@@ -141,7 +141,40 @@ def _usable(call: CallRecord, stats: AggregateStats) -> bool:
     if not call.prompt_token_ids or not call.response_token_ids:
         stats.skipped_calls["no_token_ids"] += 1
         return False
+    if vocab.outside(call.prompt_token_ids) or vocab.outside(call.response_token_ids):
+        stats.skipped_calls["token_id_outside_vocabulary"] += 1
+        return False
     return True
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What rows are built with from the trained model's tokenizer (:func:`agl_trainer.model.load_vocabulary`).
+
+    ``decode``: token ids → text (``tokenizer.decode``), to classify merge breaks and show tokens; ``eos_ids``:
+    end-of-turn/eos ids for the ``missing_stop_token`` check (:func:`agl_trainer.model.end_of_turn_ids`);
+    ``size``: the number of token ids the model embeds (ids ``0 .. size - 1``): a call holding an id past it
+    (an engine serving another model) is skipped as ``token_id_outside_vocabulary``, never handed to an update
+    where it would be an ``IndexError``. Each field None: not known (no decoding, no stop-token check, no bound).
+    """
+
+    decode: Callable[[list[int]], str] | None = None
+    eos_ids: frozenset[int] | None = None
+    size: int | None = None
+
+    def text(self, ids: list[int]) -> str | None:
+        """``decode(ids)``, or None without a decoder or if it raises (an id the tokenizer lacks must not break a
+        page or a metric)."""
+        return _safe_decode(self.decode, list(ids))
+
+    def piece(self, token_id: int) -> str:
+        """One token's text (its id in brackets without a decoder)."""
+        t = self.text([token_id])
+        return f"[{token_id}]" if t is None else t
+
+    def outside(self, ids: list[int]) -> bool:
+        """Whether any of ``ids`` is past :attr:`size` (False when the size is not known)."""
+        return self.size is not None and bool(ids) and max(ids) >= self.size
 
 
 def first_difference(a: list[int], b: list[int], chunk: int = 256) -> int:
@@ -229,24 +262,23 @@ def _check_limit(name: str, value: int | None) -> None:
 
 
 def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: AggregateStats | None = None, *,
-               decode: Callable[[list[int]], str] | None = None, eos_token_ids: Collection[int] | None = None,
-               max_prompt_tokens: int | None = None, max_response_tokens: int | None = None) -> list[Row]:
+               vocab: Vocabulary | None = None, max_prompt_tokens: int | None = None,
+               max_response_tokens: int | None = None) -> list[Row]:
     """Rows of one rollout attempt's calls (ordered by ``seq``).
 
     Args:
-        calls: the attempt's recorded calls; failed calls, calls without token ids and calls that did not
+        calls: the attempt's recorded calls; failed calls, calls without token ids, calls that did not
             sample from the distribution their logprobs describe
-            (:func:`agl_common.schemas.sampling_not_plain`: ``temperature: 0.7``, a ``top_p``, a bias...) are
-            skipped, counted in ``stats.skipped_calls`` by reason.
+            (:func:`agl_common.schemas.sampling_not_plain`: ``temperature: 0.7``, a ``top_p``, a bias...) and
+            calls holding a token id past ``vocab.size`` are skipped, counted in ``stats.skipped_calls`` by reason.
         mode: ``"trajectory"`` (merge by exact token prefix) or ``"transition"`` (one row per call).
         stats: counters to add to (calls, rows, merge breaks by class with examples, skipped calls by
             reason, dropped and truncated rows).
-        decode: token ids → text (e.g. ``tokenizer.decode``), used only on a merge break, to classify it
-            and to render its examples; None classifies every id-mismatch break as ``other``.
-        eos_token_ids: end-of-turn/eos ids (SmolLM2: ``{2}``, ``<|im_end|>``). When given, a row whose
-            last call finished with ``"stop"``/``"tool_calls"`` but whose response ids lack a final
-            end-of-turn id is never extended: the next call starts a new row, counted as a
-            ``missing_stop_token`` break. None: no such check.
+        vocab: the trained model's :class:`Vocabulary` (None: nothing known). Its ``decode`` is used only on a
+            merge break, to classify it and to render its examples (without it every id-mismatch break is
+            ``other``). With its ``eos_ids`` (SmolLM2: ``{2}``, ``<|im_end|>``), a row whose last call finished
+            with ``"stop"``/``"tool_calls"`` but whose response ids lack a final end-of-turn id is never extended:
+            the next call starts a new row, counted as a ``missing_stop_token`` break. Its ``size`` bounds the ids.
         max_prompt_tokens: a row whose first prompt is longer is dropped (with every call merged into
             it) and counted in ``stats.dropped_rows["prompt_too_long"]``; None: no limit.
         max_response_tokens: a row's merged response (sampled + context tokens) is cut to this length,
@@ -262,7 +294,8 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
     _check_limit("max_prompt_tokens", max_prompt_tokens)
     _check_limit("max_response_tokens", max_response_tokens)
     stats = stats if stats is not None else AggregateStats()
-    eos = frozenset(eos_token_ids) if eos_token_ids is not None else None
+    vocab = vocab if vocab is not None else Vocabulary()
+    decode, eos = vocab.decode, vocab.eos_ids
     rows: list[Row] = []  # every row started, dropped ones included (skipped at the end)
     dropped: set[int] = set()  # id() of dropped rows
     current: Row | None = None
@@ -271,7 +304,7 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
     last: CallRecord | None = None  # current's last call
     for call in sorted(calls, key=lambda c: c.seq):
         stats.calls += 1
-        if not _usable(call, stats):
+        if not _usable(call, stats, vocab):
             continue
         prompt = call.prompt_token_ids
         if mode == "trajectory" and current is not None:

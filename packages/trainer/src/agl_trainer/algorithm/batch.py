@@ -9,14 +9,14 @@ group; a group left with fewer than ``min_group_size`` rollouts is dropped; a ke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from agl_common.schemas import CallRecord, Rollout
 
 from .advantage import row_advantages
-from .aggregate import AggregateStats, Row, build_rows
+from .aggregate import AggregateStats, Row, Vocabulary, build_rows
 from .evalstats import outcome_reward
 
 if TYPE_CHECKING:
@@ -57,14 +57,13 @@ def advantages_of(rollouts: Sequence[Rollout], rows_per_rollout: Sequence[int], 
 
 
 def build_batch(rollouts: list[Rollout], calls: dict[str, list[CallRecord]], cfg: TrainConfig,
-                decode: Callable[[list[int]], str] | None = None, eos_token_ids: set[int] | None = None,
-                ) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
+                vocab: Vocabulary | None = None) -> tuple[list[Row], list[float], AggregateStats, dict[str, float]]:
     """Rows and per-row advantages for the kept rollouts (:func:`select_groups` first).
 
     ``calls``: rollout id → its current attempt's call records. ``cfg``: ``aggregation``, ``max_prompt_tokens``,
     ``max_response_tokens`` (rows, :func:`agl_trainer.algorithm.aggregate.build_rows`), ``advantage``,
-    ``advantage_level``, ``norm_by_std`` (:func:`advantages_of`). ``decode`` (token ids → text) and
-    ``eos_token_ids`` classify merge breaks.
+    ``advantage_level``, ``norm_by_std`` (:func:`advantages_of`). ``vocab``: the trained model's
+    :class:`~agl_trainer.algorithm.aggregate.Vocabulary` (merge-break classes, end-of-turn ids, the bound on ids).
 
     Returns ``(rows, row advantages, aggregation stats, stats)``; ``stats``: ``adv_abs_mean`` (mean |A| over the
     rollouts), ``rollouts_trained`` (rollouts that gave a row) and ``multi_row_rollouts`` (those with several);
@@ -73,7 +72,7 @@ def build_batch(rollouts: list[Rollout], calls: dict[str, list[CallRecord]], cfg
     stats = AggregateStats()
     per_rollout: list[tuple[Rollout, list[Row]]] = []
     for r in rollouts:
-        rows = build_rows(calls[r.rollout_id], cfg.aggregation, stats, decode=decode, eos_token_ids=eos_token_ids,
+        rows = build_rows(calls[r.rollout_id], cfg.aggregation, stats, vocab=vocab,
                           max_prompt_tokens=cfg.max_prompt_tokens, max_response_tokens=cfg.max_response_tokens)
         if rows:
             per_rollout.append((r, rows))

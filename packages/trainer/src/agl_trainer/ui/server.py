@@ -35,8 +35,9 @@ from fastapi.templating import Jinja2Templates
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..algorithm.aggregate import Vocabulary
 from .runs import STEP_COLUMNS, Run, find_run, find_runs, load_run, step_groups
-from .traces import (EVENTS_SHOWN, Decoder, TraceCache, event_lines, group_view, logprob_colour, message_text,
+from .traces import (EVENTS_SHOWN, TraceCache, event_lines, group_view, logprob_colour, message_text,
                      run_settings)
 
 HERE = Path(__file__).parent
@@ -56,11 +57,11 @@ class PageError(Exception):
         self.status, self.title, self.message = status, title, message
 
 
-def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Decoder | None = None) -> FastAPI:
+def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary | None = None) -> FastAPI:
     """The dashboard app reading Redis at ``redis_url`` (keys under ``prefix``) and the run directories
     under ``runs_dir``. ``decoder`` turns token ids into text (None: ids are shown as numbers)."""
     runs_dir = Path(runs_dir)
-    decoder = decoder or Decoder()
+    decoder = decoder or Vocabulary()
     store = Store(redis_url, prefix, max_connections=32)
     redis_url = redacted_url(redis_url)  # only ever shown from here on: never its password
     traces = TraceCache(store, decoder)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from agl_common.schemas import CallRecord, Rollout, answer_text, first_choice
 from agl_common.store import Store
 
-from ..algorithm.aggregate import AggregateStats, Row, build_rows
+from ..algorithm.aggregate import AggregateStats, Row, Vocabulary, build_rows
 from ..algorithm.batch import advantages_of, select_groups
 
 #: TrainConfig fields the views use, with the defaults of runs whose config lacks them.
@@ -34,50 +33,26 @@ def run_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {k: config.get(k, v) for k, v in SETTINGS_DEFAULTS.items()}
 
 
-@dataclass
-class Decoder:
-    """Token ids → text for the token view and merge-break classes. Without one, ids are shown as numbers.
-
-    ``decode``: ids → text (``tokenizer.decode``); ``eos_ids``: end-of-turn ids for the
-    ``missing_stop_token`` check (:func:`agl_trainer.model.end_of_turn_ids`).
-    """
-
-    decode: Callable[[list[int]], str] | None = None
-    eos_ids: set[int] | None = None
-
-    def text(self, ids: list[int]) -> str | None:
-        if self.decode is None:
-            return None
-        try:
-            return self.decode(list(ids))
-        except Exception:  # noqa: BLE001 - an id the tokenizer lacks must not break a page
-            return None
-
-    def piece(self, token_id: int) -> str:
-        """One token's text (its id in brackets without a decoder)."""
-        t = self.text([token_id])
-        return f"[{token_id}]" if t is None else t
-
-
-def load_decoder(tokenizer: str | None) -> Decoder:
-    """A :class:`Decoder` from a tokenizer directory (``AutoTokenizer``), or the base model's cached copy
-    when ``tokenizer`` is None and it exists, or none (``"none"``, or nothing cached)."""
+def load_decoder(tokenizer: str | None) -> Vocabulary:
+    """The :class:`~agl_trainer.algorithm.aggregate.Vocabulary` of a tokenizer directory (or a model's), or of the
+    base model's cached copy when ``tokenizer`` is None and it exists, or an empty one (``"none"``, or nothing
+    cached: ids are shown as numbers). Raises ``FileNotFoundError`` (no tokenizer in a named directory) and
+    ``ValueError`` (one that cannot be loaded)."""
     from ..model import DEFAULT_CACHE
 
     if tokenizer == "none":
-        return Decoder()
+        return Vocabulary()
     path = Path(tokenizer) if tokenizer else DEFAULT_CACHE / "smollm2-135m-instruct"
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
         if tokenizer:
             raise FileNotFoundError(f"no tokenizer in {path}")
-        return Decoder()
-    from ..model import load_tokenizer
+        return Vocabulary()
+    from ..model import load_vocabulary
 
     try:
-        tok, eos_ids = load_tokenizer(path)
+        return load_vocabulary(path)
     except Exception as exc:  # noqa: BLE001 — the tokenizers library raises bare Exceptions for a broken file
         raise ValueError(f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}") from None
-    return Decoder(decode=tok.decode, eos_ids=eos_ids)
 
 
 @dataclass
@@ -94,7 +69,7 @@ class Trace:
     row_of_call: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
-def analyse(rollout: Rollout, calls: list[CallRecord], settings: dict[str, Any], decoder: Decoder) -> Trace:
+def analyse(rollout: Rollout, calls: list[CallRecord], settings: dict[str, Any], decoder: Vocabulary) -> Trace:
     """Build the rows of ``rollout``'s current attempt as training does, and place every merge break.
 
     Every break is kept (not only the metrics' first few per class), with 16 tokens either side of its
@@ -102,7 +77,7 @@ def analyse(rollout: Rollout, calls: list[CallRecord], settings: dict[str, Any],
     """
     stats = AggregateStats(max_examples=10**9, example_context_tokens=16)
     current = [c for c in calls if c.attempt_id == rollout.attempt_id]
-    rows = build_rows(current, settings["aggregation"], stats, decode=decoder.decode, eos_token_ids=decoder.eos_ids,
+    rows = build_rows(current, settings["aggregation"], stats, vocab=decoder,
                       max_prompt_tokens=settings["max_prompt_tokens"],
                       max_response_tokens=settings["max_response_tokens"])
     first_call = {row.seqs[0]: k for k, row in enumerate(rows) if row.seqs}
@@ -134,7 +109,7 @@ class TraceCache:
     :class:`TraceSummary` of up to ``summaries`` rollouts, so that a step page of many groups stays cached.
     """
 
-    def __init__(self, store: Store, decoder: Decoder, size: int = 32, summaries: int = 20_000):
+    def __init__(self, store: Store, decoder: Vocabulary, size: int = 32, summaries: int = 20_000):
         self.store, self.decoder, self.size, self.max_summaries = store, decoder, size, summaries
         self._items: OrderedDict[tuple, Trace] = OrderedDict()
         self._summaries: OrderedDict[tuple, TraceSummary] = OrderedDict()

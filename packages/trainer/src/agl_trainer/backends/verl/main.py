@@ -73,7 +73,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from ...checkpoint import resume_state
     from ...config import TrainConfig
     from ...loop import train_async
-    from ...model import ensure_base_model, load_tokenizer
+    from ...model import ensure_base_model, load_vocabulary
     from ...services import Services
     from ...stack import start_agents
     from .adapter import engine_upstream
@@ -106,9 +106,8 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
             console.print(f"verl engines {addresses}, gateway {redacted_url(gateway)}, redis {redacted_url(redis_url)}, "
                           f"run {run_dir} (verl ready after {time.time() - t0:.0f} s)")
             try:
-                tokenizer, eos_ids = load_tokenizer(ensure_base_model(cfg.base_model))
-                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend,
-                                                  tokenizer.decode, eos_ids))
+                vocab = load_vocabulary(ensure_base_model(cfg.base_model))
+                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend, vocab))
             finally:
                 result["verl"] = {"addresses": addresses, "ranks": ranks, "server_events": _server_events(addresses),
                                   "backend_events": backend.events, "steps": backend.step_checks,
