@@ -94,3 +94,23 @@ def test_the_run_loop_never_hands_an_update_an_id_past_the_vocabulary(tmp_path, 
     (step,) = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if "eval" not in m and "step" in m]
     assert step["skipped_calls"] == {"token_id_outside_vocabulary": 4} and step["rows"] == 0
+
+
+def test_yaml_booleans_are_true_and_false_only(tmp_path):
+    """Left open by round 17: PyYAML reads YAML 1.1, where ``yes``/``no``/``on``/``off`` are booleans, so a key
+    ``yes:`` was named ``True`` in the error and a role's model named ``no`` became ``False`` (refused as not a
+    string). The config's YAML now has YAML 1.2's booleans; a boolean field still takes ``yes``."""
+    import pydantic
+    from agl_trainer.config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("yes: 3\n")
+    with pytest.raises(pydantic.ValidationError, match=r"(?s)\byes\b.*Extra inputs"):
+        TrainConfig.from_yaml(path)
+    path.write_text("policy_serving: adapter\nroles:\n  solver: {models: [no]}\n  checker: {models: [off]}\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert cfg.roles["solver"].models == ["no"] and cfg.roles["checker"].models == ["off"]
+    path.write_text("steps: 2\nnorm_by_std: on\n")
+    assert TrainConfig.from_yaml(path).norm_by_std is True
+    path.write_text("steps: 2\nnorm_by_std: False\n")
+    assert TrainConfig.from_yaml(path).norm_by_std is False

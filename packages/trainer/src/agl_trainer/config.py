@@ -77,7 +77,15 @@ MAX_CONFIG_BYTES = 1 << 20
 
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.safe_load``, refusing a mapping that gives one key twice (the last one won without a word). Merge keys
-    (``<<: *base``) merge as before: a key given beside one overrides the merged value, as YAML says."""
+    (``<<: *base``) merge as before: a key given beside one overrides the merged value, as YAML says.
+
+    Booleans are YAML 1.2's, ``true``/``false`` only: PyYAML (YAML 1.1) also read ``yes``, ``no``, ``on``, ``off``
+    as booleans, so a key ``yes:`` was reported as ``True`` and a model named ``no`` became ``False``. Those are
+    strings now (pydantic still reads ``"yes"``/``"on"`` as true for a boolean field)."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -91,6 +99,10 @@ class _ConfigLoader(yaml.SafeLoader):
             if isinstance(key, typing.Hashable):
                 seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
 
 
 #: How a value is shown in a config error: bounded before it is built (a YAML of nested aliases expands to
