@@ -7,8 +7,11 @@ import io
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+
+from test_gateway import gateway, make_rollout, upstream  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,3 +117,37 @@ def test_yaml_booleans_are_true_and_false_only(tmp_path):
     assert TrainConfig.from_yaml(path).norm_by_std is True
     path.write_text("steps: 2\nnorm_by_std: False\n")
     assert TrainConfig.from_yaml(path).norm_by_std is False
+
+
+@pytest.mark.parametrize("route,body", [
+    ("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "3+4?"}]}),
+    ("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "stream": True,
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("messages", {"model": "m", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_an_agent_that_leaves_a_call_that_is_not_a_live_stream_stops_its_generation(
+        store, redis_url, prefix, upstream, route, body):
+    """The gateway prober: an agent leaving a complete answer, a chat stream with tools or an Anthropic stream (all
+    answered whole, then sent) kept the engine generating until its answer came, and a pause's drain waited for
+    it (up to ``upstream_timeout_s``); Esc in a coding agent or an SDK timeout wasted a whole generation each
+    time. The engine's call is now cancelled as soon as the agent goes away (as a live stream's is), the call is
+    recorded ``abandoned`` at once and the drain does not wait for it."""
+    import time
+
+    from agl_common.control import pause_and_drain, resume
+
+    await make_rollout(store)
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", json=body, timeout=60)
+            assert r.status_code == 200  # (LiteLLM imported: the next call reaches the engine at once)
+            with pytest.raises(httpx.TimeoutException):  # the engine takes 30 s; the agent gives up after 0.5 s
+                await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/{route}", json={**body, "x_delay": 30},
+                             timeout=0.5)
+        t0 = time.monotonic()
+        await pause_and_drain(store, pause_id="P", timeout_s=20)
+        drained_s = time.monotonic() - t0
+        await resume(store, release="P")
+        ok, rec = await store.read_calls("r1")
+    assert drained_s < 10 and ok.status == "ok", drained_s
+    assert rec.status == "error" and rec.error.startswith("abandoned") and rec.latency_ms < 10_000, rec

@@ -186,7 +186,7 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     role = header(request, "x-agl-role")
     if st.policy is not None:
         route(st.policy, body, role)  # a call of no known role is refused now, not after a pause
-    call = Call(st, ident, spec, body, upstream, t_call, role, request.is_disconnected)
+    call = Call(st, ident, spec, body, upstream, t_call, role, AgentWatch(request))
     if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
         relay = LiveRelay()
         task = asyncio.create_task(call.run_live(relay))
@@ -199,20 +199,66 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
             raise
         return RelayResponse(relay)
     out = await call.run(None, sse=stream)
+    if out is None:  # the agent went away (nobody reads this; 499 as nginx logs it)
+        return Response(status_code=499)
     if isinstance(out, list):
         return StreamingResponse(iter(out), media_type="text/event-stream")
     return Response(out, media_type="application/json")
+
+
+class AgentWatch:
+    """Whether the agent of a call that is not a live stream is still there: once the whole body is read, the
+    ASGI server's ``receive`` gives ``http.disconnect`` when the agent's connection closes (and only then, or once
+    the answer is sent)."""
+
+    def __init__(self, request: Request):
+        self.request, self.gone = request, False
+
+    async def left(self) -> None:
+        """Return once the agent went away (raced against the engine's answer: :meth:`Call.run`)."""
+        while not self.gone:
+            if (await self.request.receive()).get("type") == "http.disconnect":
+                self.gone = True
+            else:  # (no ASGI server sends more after the whole body; never spin if one did)
+                await asyncio.sleep(0.1)
+
+    async def disconnected(self) -> bool:
+        """Whether the agent went away, without waiting (Starlette's ``is_disconnected``)."""
+        self.gone = self.gone or await self.request.is_disconnected()
+        return self.gone
+
+
+async def _unless_gone(answer: Awaitable[dict[str, Any]], watch: AgentWatch | None) -> dict[str, Any] | None:
+    """``await answer``, or ``None`` as soon as the agent went away first: the engine's call is then cancelled (its
+    connection closed: vLLM aborts the generation), so an abandoned call neither keeps the engine busy nor holds a
+    pause's drain until the engine would have answered."""
+    task = asyncio.ensure_future(answer)
+    if watch is None:
+        return await task
+    gone = asyncio.ensure_future(watch.left())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # (its cancellation reached the engine's connection)
+    return None
 
 
 class Call:
     """One call going through the pipeline (see the module docstring)."""
 
     def __init__(self, st: GatewayState, ident: Identity, spec: RouteSpec, body: dict[str, Any],
-                 upstream: dict[str, Any], t_call: float, role: str | None = None,
-                 disconnected: Callable[[], Awaitable[bool]] | None = None):
+                 upstream: dict[str, Any], t_call: float, role: str | None = None, watch: AgentWatch | None = None):
         self.st, self.ident, self.spec, self.body, self.upstream, self.t_call = st, ident, spec, body, upstream, t_call
         self.role = role  # the X-AGL-Role header, if sent
-        self.disconnected = disconnected  # whether the agent went away (Starlette's request.is_disconnected)
+        self.watch = watch  # whether the agent went away (not for a live stream: its relay knows)
+
+    async def disconnected(self) -> bool:
+        return self.watch is not None and await self.watch.disconnected()
 
     async def run_live(self, relay: LiveRelay) -> None:
         """:meth:`run` as the task of a live stream: every outcome ends the relay."""
@@ -251,8 +297,13 @@ class Call:
                 t0 = time.perf_counter()
                 try:
                     if relay is None:
-                        cap, answer, out = self._complete(await call_json(st, self.ident.rollout_id, self.spec.path,
-                                                                          payload), sse)
+                        data = await _unless_gone(call_json(st, self.ident.rollout_id, self.spec.path, payload),
+                                                  self.watch)
+                        if data is None:  # the agent went away first: nothing to answer, the call is recorded
+                            await write_failure(st, rec, "abandoned: the agent went away before the engine answered",
+                                                t0)
+                            return None
+                        cap, answer, out = self._complete(data, sse)
                         tail: list[bytes] = []
                     else:
                         got = await self._stream(relay, payload, rec, t0)
@@ -278,8 +329,7 @@ class Call:
                 # a stream the agent can read no answer from ends with an upstream error (a non-stream answer
                 # like it is one already: _complete); the engine's own error event has reached the agent
                 broken = None if relay is None or cap.error else unreadable(cap)
-                gone = (relay is not None and relay.gone) or (self.disconnected is not None
-                                                               and await self.disconnected())
+                gone = (relay is not None and relay.gone) or await self.disconnected()
                 # an answer the agent never received is not part of its trajectory (an SDK timeout then retries:
                 # two ok records for one turn): kept, as an error (a live stream's agent leaving mid-stream: see
                 # _stream; one that left before the first event, and the engine's answer came whole: here)
@@ -304,7 +354,7 @@ class Call:
         meanwhile (as :func:`agl_gateway.identity.check_callable` would have answered), 400
         ``client_disconnected`` if the agent went away while it was held. Nothing is forwarded then."""
         rid, aid = self.ident.rollout_id, self.ident.attempt_id
-        if (relay is not None and relay.gone) or (self.disconnected is not None and await self.disconnected()):
+        if (relay is not None and relay.gone) or await self.disconnected():
             raise bad_request("the agent went away while its call was held", "client_disconnected")
         try:
             rollout = await self.st.store.get_rollout(rid)

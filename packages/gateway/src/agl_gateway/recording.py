@@ -96,9 +96,10 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
         st.tracer.emit(rec, seq)
 
 
-async def write_failure(st: GatewayState, rec: dict[str, Any], err: ApiError, t0: float) -> None:
-    """Record a call that failed with ``err`` (status ``error``); ``ApiError`` 503 if Redis is down."""
-    rec["status"], rec["error"] = "error", f"{err.status} {err.code}: {err.message}"
+async def write_failure(st: GatewayState, rec: dict[str, Any], err: ApiError | str, t0: float) -> None:
+    """Record a call that failed with ``err`` (the agent's error answer, or the error's text: status ``error``);
+    ``ApiError`` 503 if Redis is down."""
+    rec["status"], rec["error"] = "error", err if isinstance(err, str) else f"{err.status} {err.code}: {err.message}"
     rec["latency_ms"] = (time.perf_counter() - t0) * 1000
     rec["ended_at"] = time.time()
     await write(st, rec)
