@@ -151,3 +151,179 @@ async def test_an_agent_that_leaves_a_call_that_is_not_a_live_stream_stops_its_g
         ok, rec = await store.read_calls("r1")
     assert drained_s < 10 and ok.status == "ok", drained_s
     assert rec.status == "error" and rec.error.startswith("abandoned") and rec.latency_ms < 10_000, rec
+
+
+def test_large_rewards_keep_their_groups_signal():
+    """The controller prober: rewards were put into a float32 tensor before the "float64" advantage, so rewards
+    ``[3e8, 3e8 + 1]`` (any reward within ±1e9 is accepted) gave advantages ``[0, 0]``: the step was skipped as
+    without signal, while ``group_signal_frac`` (Python floats) counted the group as having one."""
+    from agl_trainer.algorithm.batch import advantages_of
+
+    def adv(base: float) -> list[float]:
+        return advantages_of([Rollout(rollout_id=f"r{i}", group_id="g", status=RolloutStatus.succeeded,
+                                      reward=base + i % 2) for i in range(4)], [1, 1, 1, 1]).tolist()
+
+    small = adv(0.0)
+    assert small[1] > 0.5 and small == pytest.approx([-small[1], small[1]] * 2)
+    for base in (2e7, 3e8):
+        assert adv(base) == pytest.approx(small, abs=1e-3), base
+
+
+def test_mlflow_refuses_a_run_directory_its_sqlite_url_cannot_hold(tmp_path, monkeypatch):
+    """The controller prober: ``out_dir`` went into ``sqlite:///{out_dir}/mlflow.db`` unquoted: ``exp?1`` wrote
+    the database to ``exp`` (outside ``out_dir``; an existing file of that name was opened as the database),
+    ``exp%41b`` retried for ~110 s and failed, after vLLM, the gateway and the controller had started. Such an
+    ``out_dir`` is now refused in one line (exit 2) before anything starts."""
+    import subprocess
+    import sys
+
+    from agl_trainer.trackers import check_trackers, mlflow_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("exp?1", "exp%41b"):
+        with pytest.raises(ValueError, match="holds '\\?' or '%'"):
+            check_trackers(["console", "mlflow"], tmp_path / name)
+    assert mlflow_uri(tmp_path / "sp ace#") == f"sqlite:///{tmp_path / 'sp ace#' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert check_trackers(["mlflow"], tmp_path / "exp?1") == ["mlflow"]
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"out_dir: '{tmp_path / 'exp?1'}'\nloggers: [console, mlflow]\n")
+    r = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(config)], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in __import__("os").environ.items()
+                                         if k != "MLFLOW_TRACKING_URI"})
+    assert r.returncode == 2 and "holds '?' or '%'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "exp").exists()
+
+
+def _resumable_run(tmp_path, state: dict, metrics: str | None, **overrides):
+    from agl_trainer.config import TrainConfig
+
+    from test_loop import TASKS
+
+    (tmp_path / "tasks.py").write_text(TASKS)
+    cfg = TrainConfig(task_file=str(tmp_path / "tasks.py"), train_fn="train_problems", heldout_fn="heldout_problems",
+                      steps=3, groups_per_step=1, group_size=2, eval_size=3, eval_subset=2, preload=[],
+                      out_dir=str(tmp_path / "runs"), loggers=["jsonl"], **overrides)
+    run_dir = tmp_path / "runs" / "r1"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "weights.json").write_text(json.dumps({"updates": 2}))
+    (run_dir / "checkpoint" / "state.json").write_text(json.dumps(state))
+    (run_dir / "config.json").write_text(json.dumps(cfg.shown()))
+    if metrics is not None:
+        (run_dir / "metrics.jsonl").write_text(metrics)
+    return cfg, run_dir
+
+
+async def _resume(cfg, run_dir, redis_url):
+    from agl_common.store import Store
+    from agl_trainer.checkpoint import resume_state
+    from agl_trainer.loop import TrainingRun
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from test_loop import RecordingBackend
+
+    out = io.StringIO()
+    store = Store(redis_url, cfg.prefix)
+    run = TrainingRun(cfg, run_dir, Console(file=out, width=200), store, RecordingBackend(cfg.model_name), None,
+                      Progress(disable=True))
+    try:
+        step = await asyncio.wait_for(run.resume(resume_state(run_dir)), 30)
+    finally:
+        await store.close()
+    return run, step, out.getvalue()
+
+
+@pytest.mark.parametrize("metrics", [
+    json.dumps({"step": 1, "reward_mean": 0.5, "step_s": 3.0}) + "\n" + '{"step": 2, "rew',  # killed mid-append
+    json.dumps({"step": 1, "step_s": 3.0}) + "\n\n[1, 2]\n" + json.dumps({"step": "2", "step_s": "x"}) + "\n",
+])
+async def test_a_resume_reads_a_metrics_file_a_kill_or_a_hand_left_damaged(tmp_path, redis_url, prefix, metrics):
+    """The controller prober: the resume read ``metrics.jsonl`` with a bare ``json.loads`` per line, after vLLM,
+    the gateway and the controller had started: a line cut by a kill mid-append, a blank line, a non-object or a
+    step that is not a number was a traceback, and the run could not be resumed. Such lines are skipped (as the
+    dashboard skips them), the step's line is written again on a line of its own, and the file stays readable."""
+    from agl_trainer.checkpoint import logged_metrics
+
+    state = {"step": 2, "version": 2, "metrics": {"step": 2, "groups": []}, "active": []}
+    cfg, run_dir = _resumable_run(tmp_path, state, metrics, redis_url=redis_url, prefix=prefix)
+    run, step, _ = await _resume(cfg, run_dir, redis_url)
+    assert step == 3 and [m["step"] for m in run.metrics] == [1, 2] and run.train_s == 3.0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1]) == {"step": 2, "groups": []}
+    assert [m["step"] for m in logged_metrics(run_dir) if "step" in m] == [1, 2]
+
+
+def test_a_metrics_file_that_is_not_a_regular_file_refuses_the_resume_before_anything_starts(tmp_path):
+    """The controller prober: a FIFO ``metrics.jsonl`` hung the resume for ever (after the services started)."""
+    import os
+
+    from agl_trainer.checkpoint import NotResumable
+    from agl_trainer.run import check_resumable
+
+    state = {"step": 2, "version": 2, "metrics": {"step": 2, "groups": []}, "active": []}
+    cfg, run_dir = _resumable_run(tmp_path, state, None)
+    os.mkfifo(run_dir / "metrics.jsonl")
+    with pytest.raises(NotResumable, match="metrics.jsonl: not a regular file"):
+        check_resumable(cfg, run_dir)
+
+
+async def test_a_resume_on_a_redis_that_lost_the_run_drops_its_groups_and_reuses_no_id(tmp_path, redis_url,
+                                                                                       prefix):
+    """The controller prober: the run's own Redis (``--save ""``, started by the trainer when none answered) dies
+    with a killed trainer, so ``train --resume`` meets an empty Redis. The checkpoint's groups in flight were a
+    ``RolloutNotFound`` traceback after the services started, and the group counter began again at 0: new groups
+    took the ids (``{run}-q1-g0``...) that earlier steps' metrics name, and the dashboard and ``export --run``
+    showed the new rollouts under the old steps. The lost groups are now dropped (said on the console, their
+    problems drawn again) and numbering goes on after the highest group the run used."""
+    from agl_common.store import Store
+
+    state = {"step": 2, "version": 2, "metrics": {"step": 2, "groups": ["r1-q3-g0"]},
+             "active": [{"group_id": "r1-q4-g0", "rollout_ids": ["r1-q4-g0-r0", "r1-q4-g0-r1"], "version": 2}]}
+    metrics = json.dumps({"step": 1, "groups": ["r1-q1-g0", "r1-q2-g0"]}) + "\n" + json.dumps(state["metrics"]) + "\n"
+    cfg, run_dir = _resumable_run(tmp_path, state, metrics, redis_url=redis_url, prefix=prefix, active_groups=2)
+    run, step, out = await _resume(cfg, run_dir, redis_url)
+    assert step == 3 and run.scheduler.active == {}
+    assert "1 group(s) in flight at the checkpoint are not in this Redis" in out
+    store = Store(redis_url, prefix)
+    try:
+        assert await store.next_group_number("r1") == 5
+        await store.skip_group_numbers("r1", 2)  # never lowered
+        assert await store.next_group_number("r1") == 6
+    finally:
+        await store.close()
+
+
+def test_eval_passes_over_runs_trained_with_other_weight_settings(tmp_path):
+    """The controller prober: ``eval --policy v3`` (no roles) took the newest run's ``policy-v3`` under ``out_dir``
+    without comparing its base model or LoRA rank/alpha with the config (the resume refuses exactly those): a
+    mismatched policy was evaluated and reported as v3, or vLLM failed to load it after the services started. And
+    "newest" was the name's order (``MMDD-...``: December before January). Such runs are passed over (named), with
+    ``--run`` refused; the newest is the one whose ``config.json`` was written last."""
+    import os
+
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.evaluation import PolicyNotFound, resolve_policy
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "runs"), preload=[])
+
+    def run(name: str, mtime: float, **settings):
+        d = tmp_path / "runs" / name
+        (d / "adapters" / "policy-v3").mkdir(parents=True)
+        (d / "adapters" / "policy-v3" / "adapter_config.json").write_text("{}")
+        (d / "config.json").write_text(json.dumps({**cfg.shown(), **settings}))
+        os.utime(d / "config.json", (mtime, mtime))
+        return d
+
+    mine = run("1231-235900-aaaa", 1_000)
+    other = run("0101-000100-bbbb", 2_000, lora_rank=64, lora_alpha=128)
+    assert resolve_policy("v3", cfg).adapter == (mine / "adapters" / "policy-v3").resolve()
+    with pytest.raises(PolicyNotFound, match="trained with other weight settings"):
+        resolve_policy("v3", cfg, other)
+    newer = run("0101-000200-cccc", 3_000)  # January, after December's: the newest
+    assert resolve_policy("v3", cfg).adapter == (newer / "adapters" / "policy-v3").resolve()
+    for d in (mine, newer):
+        (d / "config.json").write_text(json.dumps({**cfg.shown(), "base_model": str(tmp_path)}))
+    with pytest.raises(PolicyNotFound, match="trained with other weight settings: "):
+        resolve_policy("v3", cfg)

@@ -73,7 +73,7 @@ async def test_stale_groups_are_dropped_and_groups_train_once(store):
     await sched.commit(batch.groups)
     # a restarted trainer adopting an already trained group skips it
     again = GroupScheduler(store, INPUTS, group_size=2, train_groups=1, tag="st", consumer="other")
-    assert not await again.adopt(Group(fresh.group_id, fresh.rollout_ids, 2))
+    assert await again.adopt(Group(fresh.group_id, fresh.rollout_ids, 2)) == "trained"
     assert fresh.group_id not in again.active
 
 

@@ -153,6 +153,12 @@ if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[1]) end
 return 1
 """
 
+_RAISE_COUNTER = """
+local now = tonumber(redis.call('GET', KEYS[1]) or '0')
+if now < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then
@@ -418,6 +424,7 @@ class Store:
         self._heartbeat_script = self.r.register_script(_OWNED_HEARTBEAT)
         self._drop_replica_script = self.r.register_script(_DROP_REPLICA)
         self._register_group_script = self.r.register_script(_REGISTER_GROUP)
+        self._raise_counter_script = self.r.register_script(_RAISE_COUNTER)
         self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
         self._layout_ok = False
 
@@ -606,6 +613,11 @@ class Store:
     async def next_group_number(self, tag: str) -> int:
         """0, 1, 2... per ``tag`` (``INCR P groups:{tag}``): a restarted trainer never reuses a number."""
         return int(await self.r.incr(self.key("groups", tag))) - 1
+
+    async def skip_group_numbers(self, tag: str, below: int) -> None:
+        """Make :meth:`next_group_number` of ``tag`` give ``below`` or more from now on (a resumed run whose
+        Redis lost its counter: the numbers its steps used are never given again). Never lowers the counter."""
+        await self._raise_counter_script(keys=[self.key("groups", tag)], args=[int(below)])
 
     async def register_group(self, info: GroupInfo) -> None:
         """Record a group's members, owner and run (``HSETNX P group_members``, and ``SADD P run-groups:{run}``

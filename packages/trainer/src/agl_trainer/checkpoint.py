@@ -11,11 +11,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .files import read_small_file
+from .files import read_jsonl, read_small_file
 from .scheduler import GroupScheduler
 
 #: Largest ``checkpoint/state.json`` read (a step's metrics and the groups in flight: a few KiB).
 MAX_STATE_BYTES = 16 << 20
+#: Largest ``metrics.jsonl`` a resume reads (a step's line is ~3 KB: ~20,000 steps), as the dashboard does.
+MAX_METRICS_BYTES = 64 << 20
 
 
 class NotResumable(ValueError):
@@ -101,6 +103,18 @@ def run_config(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a run's config (a JSON object)")
     return data
+
+
+def logged_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The lines of the run's ``metrics.jsonl`` that a resume continues from: JSON objects whose ``step`` (if any)
+    is an integer; a line cut by a kill mid-append, a blank one or a foreign one is skipped. ``[]`` if the file
+    does not exist. Raises ``ValueError`` (one line) for a file that is not a regular file of at most
+    :data:`MAX_METRICS_BYTES` or cannot be read (:func:`~agl_trainer.files.read_jsonl`)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists() and not path.is_symlink():
+        return []
+    return [m for m in read_jsonl(path, MAX_METRICS_BYTES)
+            if "step" not in m or (isinstance(m["step"], int) and not isinstance(m["step"], bool))]
 
 
 def weight_settings(config: dict[str, Any]) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def _with_loggers(cfg, loggers: list[str] | None):
         if loggers:
             names = [n.strip() for item in loggers for n in item.split(",") if n.strip()]
             cfg = cfg.with_fields(loggers=check_trackers(names))
-        check_trackers(cfg.loggers)
+        check_trackers(cfg.loggers, Path(cfg.out_dir))
     except (ValueError, ValidationError, TrackerMissing) as exc:
         err.print(f"error: {exc}", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(2) from None

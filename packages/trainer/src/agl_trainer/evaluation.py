@@ -56,10 +56,12 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
     """``base`` → the served base model; ``vN`` → ``adapters/policy-vN`` of ``run_dir`` (default: the newest
     run under ``cfg.out_dir`` that has it); anything else → a PEFT adapter directory (``adapter_config.json``).
 
+    A ``vN`` is only taken from a run trained with this config's weight settings (roles, base model, LoRA rank and
+    alpha: its ``config.json``; see :func:`_runs`). A PATH is taken as it is (its base model is not compared).
+
     With ``cfg.roles``: ``base`` → every role on the base model; ``vN`` → each role's newest adapter at or below
     N (``adapters/policy-v{k}-{role}``, the base model for a role never updated by then), in the newest run
-    (or ``run_dir``) that has one and was trained with the same roles (its ``config.json``); a PATH is refused (a
-    role's adapter is named by the run's versions).
+    (or ``run_dir``) that has one; a PATH is refused (a role's adapter is named by the run's versions).
 
     Raises:
         PolicyNotFound: no such adapter (the message names the places searched).
@@ -88,35 +90,68 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
 
 
 def _runs(cfg: TrainConfig, run_dir: Path | None) -> tuple[list[Path], str]:
-    """The run directories to look for adapters in, newest first (``run_dir`` alone if given), and how to name
-    where they were looked for in an error."""
+    """The run directories to look for adapters in, newest first (by when each wrote its ``config.json``: run names
+    hold no year), and how to name where they were looked for in an error. A run trained with other weight settings
+    than ``cfg`` (roles, base model, a LoRA rank or alpha: :func:`~agl_trainer.checkpoint.weight_settings`) is
+    passed over, named in that text: its adapters belong to another policy than this config's engine serves.
+
+    Raises:
+        PolicyNotFound: ``run_dir`` was trained with other weight settings, or its ``config.json`` cannot be read.
+    """
+    from .checkpoint import run_config, weight_settings
+
+    want = weight_settings(cfg.shown())
     if run_dir:
-        return [Path(run_dir)], str(Path(run_dir) / "adapters")
-    runs = sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()), key=lambda p: p.name, reverse=True)
-    return runs, f"{cfg.out_dir}/*/adapters"
+        candidates = [Path(run_dir)]
+        where = str(Path(run_dir) / "adapters")
+    else:
+        candidates = sorted((p for p in Path(cfg.out_dir).glob("*") if p.is_dir()), key=_written, reverse=True)
+        where = f"{cfg.out_dir}/*/adapters"
+    runs, other = [], {"roles": [], "weight settings": []}
+    for run in candidates:
+        try:
+            trained = run_config(run)
+            was = weight_settings(trained) if trained is not None else want
+        except ValueError as exc:
+            if run_dir:
+                raise PolicyNotFound(str(exc)) from None
+            continue
+        if was == want:
+            runs.append(run)
+            continue
+        if sorted(was["adapters"]) != sorted(want["adapters"]):
+            kind, what = "roles", ", ".join(sorted(r for r in was["adapters"] if r)) or "no roles"
+        else:
+            kind, what = "weight settings", "base_model, lora_rank or lora_alpha"
+        if run_dir:
+            raise PolicyNotFound(f"{run} was trained with other {kind} ({what}) than this config: its adapters are "
+                                 "another policy; evaluate it with the config it was trained with")
+        other[kind].append(f"{run.name}: {what}")
+    for kind, names in other.items():
+        if names:
+            where += f" (trained with other {kind}: {'; '.join(names[:3])})"
+    return runs, where
+
+
+def _written(run: Path) -> float:
+    """When a run directory wrote its ``config.json`` (the directory's own time without one)."""
+    for path in (run / "config.json", run):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
 
 
 def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPolicy:
     from .backends.roles import newest_saved, saved_versions
-    from .checkpoint import run_config
 
     m = re.fullmatch(r"v([0-9]{1,9})", spec)
     if not m:
         raise PolicyNotFound(f"--policy {spec!r}: with roles, the policy is base or vN (each role's adapter of a run)")
     version = int(m[1])
-    runs, where = _runs(cfg, run_dir)
-    other = []  # runs trained with other roles: a role of this config would be served the base model in silence
+    runs, where = _runs(cfg, run_dir)  # (only runs trained with these roles: another's role would get the base model)
     for run in runs:
-        try:
-            trained = run_config(run)
-        except ValueError as exc:
-            if run_dir:
-                raise PolicyNotFound(str(exc)) from None
-            continue
-        trained_roles = sorted((trained or {}).get("roles") or {})
-        if trained is not None and trained_roles != sorted(cfg.roles):
-            other.append(f"{run.name}: {', '.join(trained_roles) or 'no roles'}")
-            continue
         newest = max((v for r in cfg.roles for v in saved_versions(run / "adapters", r)), default=0)
         if version > newest:  # not a version this run reached
             continue
@@ -125,9 +160,8 @@ def _resolve_roles(spec: str, cfg: TrainConfig, run_dir: Path | None) -> EvalPol
             return EvalPolicy(cfg.model_name, version, roles={
                 r: (policy_name(v, r), (run / "adapters" / policy_name(v, r)).resolve()) if v else (cfg.model_name, None)
                 for r, v in found.items()})
-    also = f" (trained with other roles: {'; '.join(other[:3])})" if other else ""
     raise PolicyNotFound(f"no run reached version {version} with an adapter policy-v{{k}}-{{role}} (k <= {version}) "
-                         f"for the roles {', '.join(cfg.roles)} in {where}{also}; give --run RUN_DIR")
+                         f"for the roles {', '.join(cfg.roles)} in {where}; give --run RUN_DIR")
 
 
 def result_table(res: dict, policy: EvalPolicy) -> Table:

@@ -5,9 +5,12 @@ traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def read_small_file(path: Path | str, max_bytes: int) -> bytes:
@@ -37,3 +40,19 @@ def read_small_file(path: Path | str, max_bytes: int) -> bytes:
 
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
+def read_jsonl(path: Path | str, max_bytes: int, loads: Callable[[str], Any] = json.loads) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON Lines file (:func:`read_small_file`, each line parsed by ``loads``); a line that
+    does not parse (a half-written last line, a blank one) or is not an object is skipped.
+
+    Raises ``ValueError`` (one line naming ``path``) as :func:`read_small_file` does."""
+    out = []
+    for line in read_small_file(path, max_bytes).decode("utf-8", errors="replace").splitlines():
+        try:
+            obj = loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out

@@ -35,7 +35,7 @@ from .algorithm.aggregate import Vocabulary
 from .algorithm.batch import build_batch, select_groups
 from .algorithm.evalstats import accuracy, reward_mean
 from .algorithm.stepstats import TIME_KEYS, batch_signals, role_signals, rollout_phase_split
-from .checkpoint import save_checkpoint
+from .checkpoint import logged_metrics, save_checkpoint
 from .config import TrainConfig
 from .cycle import backend_cycle
 from .hardware import describe
@@ -60,7 +60,6 @@ class TrainingRun:
         self.heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
         self.subset = self.heldout[: cfg.eval_subset]
         self.is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
-        self.metrics_path = run_dir / "metrics.jsonl"
         self.metrics: list[dict] = []  # one per step, resumed steps included
         self.evals: list[dict] = []
         self.train_s = 0.0  # seconds of training steps so far (evaluations excluded)
@@ -89,18 +88,21 @@ class TrainingRun:
         self.version = state["version"]
         await compute.run(self.backend.restore, self.run_dir / "checkpoint")
         await self.store.commit_trained(self.scheduler.consumer_group, state["metrics"]["groups"], [])
-        logged = ([json.loads(x) for x in self.metrics_path.read_text().splitlines()]
-                  if self.metrics_path.exists() else [])
+        logged = logged_metrics(self.run_dir)  # (checked readable before anything started: check_resumable)
         if not any(m.get("step") == state["step"] and "eval" not in m for m in logged):
-            with self.metrics_path.open("a") as f:  # killed between the checkpoint and this line
-                f.write(json.dumps(state["metrics"]) + "\n")
+            self.trackers.log_metrics(state["metrics"], state["step"])  # killed between the checkpoint and this line
             logged.append(state["metrics"])
         # the table, curve and summary cover the whole run, not only the resumed part
         self.metrics += [m for m in logged if "eval" not in m and "step" in m and m["step"] <= state["step"]]
         self.evals += [e for e in logged if e.get("eval") and e.get("step", 0) <= state["step"]]
-        self.train_s = sum(m.get("step_s", 0.0) for m in self.metrics)
-        for g in state["active"]:
-            await self.scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"]))
+        self.train_s = sum(m["step_s"] for m in self.metrics if isinstance(m.get("step_s"), (int, float)))
+        trained = [g for m in logged if isinstance(m.get("groups"), list) for g in m["groups"] if isinstance(g, str)]
+        await self.scheduler.continue_after(trained + [g["group_id"] for g in state["active"]])
+        lost = [g for g in state["active"]
+                if await self.scheduler.adopt(Group(g["group_id"], g["rollout_ids"], g["version"])) == "missing"]
+        if lost:
+            self.console.print(f"{len(lost)} group(s) in flight at the checkpoint are not in this Redis (emptied, or "
+                               "another one): dropped, their problems drawn again")
         taken = await self.scheduler.start()
         # the engine serves the restored policy (a CPU run's adapter is loaded again, in place)
         await resume_gateway(self.store, policy=await self.backend.serve(self.version))

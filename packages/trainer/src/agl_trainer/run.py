@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .config import TrainConfig
-from .checkpoint import NotResumable, resume_state, run_config, weight_settings
+from .checkpoint import NotResumable, logged_metrics, resume_state, run_config, weight_settings
 from .loop import train_async
 
 
@@ -86,11 +86,13 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
     ``run_dir`` cannot be restored into ``cfg``: its ``config.json`` cannot be read, or it was trained with other
     roles (each role's weights and optimizer are in ``checkpoint/{role}``) or other :func:`weight_settings` (a
     LoRA rank the weights do not fit, an alpha or base model that would train another policy than the engine
-    serves), or a role's adapter that it served at the checkpoint is gone (:func:`~.backends.roles.missing_served`).
+    serves), or a role's adapter that it served at the checkpoint is gone (:func:`~.backends.roles.missing_served`),
+    or its ``metrics.jsonl`` cannot be read (:func:`~.checkpoint.logged_metrics`: a FIFO, a device, too large).
     A run without ``config.json`` is left to the checkpoint to say what is missing."""
     from .backends.roles import missing_served
 
     try:
+        logged_metrics(run_dir)
         before = run_config(run_dir)
         if before is None:
             return

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -184,12 +185,26 @@ class GroupScheduler:
             started += 1
         return started
 
-    async def adopt(self, group: Group) -> bool:
-        """Track a group created elsewhere (by a trainer that was restarted); a trained one is skipped."""
+    async def adopt(self, group: Group) -> str:
+        """Track a group created elsewhere (by a trainer that was restarted). Returns ``"adopted"``, or why not:
+        ``"trained"`` already, or ``"missing"``: the store no longer holds its rollouts (a Redis that lost its data:
+        the run's own Redis dies with a killed trainer), its problem is drawn again."""
         if (await self.store.trained([group.group_id]))[0]:
-            return False
+            return "trained"
+        if len(await self.store.get_rollouts(group.rollout_ids, skip_missing=True)) < len(group.rollout_ids):
+            return "missing"
         self.active.setdefault(group.group_id, group)
-        return True
+        return "adopted"
+
+    async def continue_after(self, group_ids: list[str]) -> None:
+        """Never number a new group at or below the highest ``{tag}-q{n}`` of ``group_ids`` (the groups a resumed
+        run already trained or had in flight), whatever the store's counter says (a Redis that lost its data
+        would start again at 0, and the new groups would take the ids earlier steps' metrics name)."""
+        head = f"{self.tag}-q"
+        numbers = [int(m.group(1)) for g in group_ids if g.startswith(head)
+                   and (m := re.fullmatch(r"(\d{1,18})-g\d+", g[len(head):]))]
+        if numbers:
+            await self.store.skip_group_numbers(self.tag, max(numbers) + 1)
 
     async def _take(self, entries: list[tuple[str, dict[str, str]]]) -> None:
         """File completion entries under their groups; adopt our groups we do not know yet (created by a

@@ -53,11 +53,30 @@ def find_spec(name: str):
     return importlib.util.find_spec(name)
 
 
-def check_trackers(names: Iterable[str]) -> list[str]:
-    """Validate tracker names; returns them without duplicates, in order.
+def mlflow_uri(out_dir: Path) -> str:
+    """MLflow's tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///{out_dir}/mlflow.db`` (``out_dir`` made
+    absolute: the run directory's parent).
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        ValueError: (no ``$MLFLOW_TRACKING_URI``) ``out_dir`` holds ``?`` or ``%``, which a sqlite URL reads as its
+            query or an escape: the database would be written elsewhere (``exp?1`` → ``exp``) or not at all
+            (``%41`` → minutes of retries); quoted, MLflow still makes a directory of the quoted name.
+    """
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    path = Path(out_dir).resolve() / "mlflow.db"
+    if "?" in str(path) or "%" in str(path):
+        raise ValueError(f"logger 'mlflow': the run directory {str(path.parent)!r} holds '?' or '%', which its "
+                         "sqlite URL cannot: choose another out_dir or set MLFLOW_TRACKING_URI")
+    return f"sqlite:///{path}"
+
+
+def check_trackers(names: Iterable[str], out_dir: Path | None = None) -> list[str]:
+    """Validate tracker names; returns them without duplicates, in order. With ``out_dir`` (where the run
+    directories go), also what each tracker derives from it (:func:`mlflow_uri`).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones); an ``out_dir`` a tracker cannot use.
         TrackerMissing: a chosen tracker's library is not installed (the message says what to pip install).
     """
     out: list[str] = []
@@ -69,6 +88,8 @@ def check_trackers(names: Iterable[str]) -> list[str]:
         missing = [m for m in MODULES.get(name, ()) if find_spec(m) is None]
         if missing:
             raise TrackerMissing(f"logger {name!r} needs {', '.join(missing)}: pip install {INSTALL[name]}")
+        if name == "mlflow" and out_dir is not None:
+            mlflow_uri(out_dir)
         out.append(name)
     return out
 
@@ -114,10 +135,16 @@ def finite_or_none(value: Any) -> Any:
 
 
 class JsonlTracker:
-    """Appends to ``metrics.jsonl`` (one JSON object per line; flushed and closed per write)."""
+    """Appends to ``metrics.jsonl`` (one JSON object per line; flushed and closed per write). A resumed run's file
+    whose last line a kill cut short gets its newline first, so that the next line stands on its own."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
+        if self.path.is_file() and self.path.stat().st_size:
+            with self.path.open("rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
 
     def _append(self, obj: dict[str, Any]) -> None:
         with self.path.open("a") as f:  # strict JSON: a NaN/inf (a diverged loss) is written as null
@@ -198,8 +225,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         run_dir = Path(run_dir).resolve()
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.parent / 'mlflow.db'}"
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = MlflowClient(tracking_uri=mlflow_uri(run_dir.parent))
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or run_dir.parent.name or "agl"
         exp = self.client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(name)

@@ -51,7 +51,7 @@ def advantages_of(rollouts: Sequence[Rollout], rows_per_rollout: Sequence[int], 
     one sample per rollout, broadcast to its rows; ``row``: each row a sample), see
     :func:`agl_trainer.algorithm.advantage.row_advantages`. Every rollout needs a reward (``select_groups``)."""
     groups = {g: k for k, g in enumerate(sorted({r.group_id or r.rollout_id for r in rollouts}))}
-    return row_advantages(torch.tensor([float(r.reward) for r in rollouts]),
+    return row_advantages(torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float64),
                           torch.tensor([groups[r.group_id or r.rollout_id] for r in rollouts], dtype=torch.int64),
                           torch.tensor(list(rows_per_rollout), dtype=torch.int64), level, estimator, norm_by_std)
 
