@@ -312,13 +312,15 @@ async def _heartbeat(st: GatewayState) -> None:
 
 
 async def _heartbeat_loop(st: GatewayState, wake: asyncio.Event) -> None:
-    """Publish this replica's status every ``heartbeat_s`` seconds, and at once on a gate change."""
+    """Publish this replica's status every ``heartbeat_s`` seconds, and at once on a gate change (one made while a
+    heartbeat is being written included: ``wake`` is cleared before the status is read, never after the write).
+    Raises ``asyncio.CancelledError`` only."""
     while True:
+        wake.clear()
         try:
             await _heartbeat(st)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.warning("heartbeat failed: %s", exc)
-        wake.clear()
         await wait_until(wake, st.settings.heartbeat_s)

@@ -351,9 +351,35 @@ def unreadable(cap: Captured) -> str | None:
     return None
 
 
-def check(cap: Captured) -> str | None:
+def sent_prompt_ids(route: str, request: dict[str, Any]) -> list[int] | None:
+    """The token ids of the prompt the agent sent, where it sent ids: a completions ``prompt`` that is a list of
+    token ids, or one such list in a list (the one prompt the gateway forwards: a batch is refused before the
+    engine). ``None`` otherwise: a text prompt or a chat call, whose ids only the engine's tokenizer knows."""
+    prompt = request.get("prompt") if route == "completions" else None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+def prompt_fault(sent: list[int], got: list[int], truncated: bool = False) -> str | None:
+    """Why the engine's prompt ids ``got`` are not the token ids the agent sent (``sent``: vLLM answers a token-id
+    prompt for exactly those ids), or ``None``. With ``truncated`` (the agent asked the engine to cut the prompt:
+    ``truncate_prompt_tokens``), the engine's ids must be the end of the agent's."""
+    if got == sent or (truncated and got and len(got) <= len(sent) and sent[len(sent) - len(got):] == got):
+        return None
+    at = next((k for k, (a, b) in enumerate(zip(sent, got)) if a != b), min(len(sent), len(got)))
+    return (f"prompt token ids are not the agent's: it sent {len(sent)} token ids, the engine answered for "
+            f"{len(got)} ({'the end of the prompt' if truncated else 'the prompt'} differs from position {at}: "
+            f"sent {sent[at:at + 4]}, engine {got[at:at + 4]})")
+
+
+def check(cap: Captured, sent_prompt: list[int] | None = None, truncated: bool = False) -> str | None:
     """Why the capture must not become training data, or ``None``. In order: an answer the agent cannot read
-    (:func:`unreadable`); no prompt token ids; no ``usage`` counts; prompt ids other than ``usage.prompt_tokens``
+    (:func:`unreadable`); no prompt token ids; prompt ids other than ``sent_prompt``, the token ids the agent sent
+    as its prompt (:func:`sent_prompt_ids`, :func:`prompt_fault`; ``truncated``: the agent asked for the prompt to
+    be cut); no ``usage`` counts; prompt ids other than ``usage.prompt_tokens``
     counts; no response token ids while the reply holds text or ``usage`` does not say it was empty; token ids
     that do not add up to
     the engine's own ``usage.completion_tokens`` (e.g. ids lost to tool-call parsing; with ``n > 1`` usage counts
@@ -365,6 +391,10 @@ def check(cap: Captured) -> str | None:
         return why
     if not cap.prompt_token_ids:
         return "prompt token ids missing: the engine returned none (is it vLLM with return_token_ids?)"
+    if sent_prompt is not None:
+        why = prompt_fault(sent_prompt, cap.prompt_token_ids, truncated)
+        if why:
+            return why
     for name in ("prompt_tokens", "completion_tokens"):  # a count missing or of another type would switch its
         value = (cap.usage or {}).get(name)  # check off (vLLM sends usage with every answer, and streams it when
         if type(value) is not int or value < 0:  # asked: the gateway always asks)

@@ -11,7 +11,7 @@ from agl_common.schemas import CallRecord, Policy, token_id_fault
 from agl_common.store import RecordRefused
 from redis.exceptions import RedisError
 
-from .capture import Captured, check
+from .capture import Captured, check, sent_prompt_ids
 from .errors import ApiError, store_down
 from .state import GatewayState
 
@@ -32,8 +32,9 @@ def new_record(rollout_id: str, attempt_id: str, route: str, body: dict[str, Any
 def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0: float,
          error: str | None = None) -> None:
     """Put what was captured into ``rec``; ``status`` is ``error`` with ``error`` set, or with what
-    :func:`check` finds wrong with the capture (never trained on), else ``ok``. ``t0``: perf_counter at
-    the upstream call's start (for ``latency_ms``)."""
+    :func:`check` finds wrong with the capture (never trained on; a completions prompt of token ids is compared
+    with the engine's prompt ids), else ``ok``. ``t0``: perf_counter at the upstream call's start (for
+    ``latency_ms``). Raises nothing."""
     rec["response"] = response
     ids_fit = token_id_fault(cap.prompt_token_ids, cap.response_token_ids) is None
     # ids outside any vocabulary are not kept (the error names the first): a record stays writable as int64
@@ -42,7 +43,9 @@ def fill(rec: dict[str, Any], cap: Captured, response: dict[str, Any] | None, t0
                                                           else ([], []))
     rec["response_logprobs"] = cap.response_logprobs if ids_fit else None  # (aligned with the ids, or none)
     rec["finish_reason"] = cap.finish_reason
-    error = error or check(cap)
+    request = rec["request"]
+    error = error or check(cap, sent_prompt_ids(rec["route"], request),
+                           truncated=request.get("truncate_prompt_tokens") not in (None, False))
     if error:
         rec["status"], rec["error"] = "error", error
     rec["latency_ms"] = (time.perf_counter() - t0) * 1000

@@ -229,7 +229,8 @@ def check_responses(body: dict[str, Any]) -> None:
     ``input`` string or list of message / function_call / function_call_output / reasoning items, string
     ``instructions``, function tools only, no ``previous_response_id``, ``conversation`` or ``prompt`` (the
     gateway keeps no conversation state nor stored prompts: send the whole conversation in ``input``), and
-    ``top_logprobs``, ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`)."""
+    ``top_logprobs``, ``max_tool_calls``, ``truncation`` only at their defaults (:data:`_RESPONSES_DEFAULT_ONLY`), no
+    ``background`` run (the answer comes with the call: there is no stored response to poll)."""
     what = "Responses"
     for field, defaults in _RESPONSES_DEFAULT_ONLY.items():
         if body.get(field) not in defaults:
@@ -244,6 +245,9 @@ def check_responses(body: dict[str, Any]) -> None:
         if body.get(field) is not None:
             raise _refuse(what, f"{field!r}", "is not supported (the gateway keeps no conversation state and no "
                           "stored prompts): send the whole conversation in 'input'")
+    if body.get("background") not in (None, False):  # (it was answered at once as completed, nothing to poll)
+        raise _refuse(what, "'background'", "is not supported (the gateway answers each call when it is made and "
+                      f"stores no response to poll): leave it out or false, got {body['background']!r:.40}")
     if body.get("instructions") is not None and not isinstance(body["instructions"], str):
         raise _refuse(what, "'instructions'", f"must be a string, got {body['instructions']!r:.40}")
     items = body.get("input")
@@ -408,12 +412,36 @@ def _keep_empty_system(req: dict[str, Any], system: Any) -> dict[str, Any]:
 
 
 def chat_to_responses(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """Chat Completions answer → Responses API response object."""
+    """Chat Completions answer → Responses API response object (its output items in OpenAI's shape:
+    :func:`_openai_item`; a synthesized stream is encoded from this object, so its events carry the same items).
+    ``store`` is ``false`` whatever the agent asked: the gateway stores no response (``previous_response_id`` is
+    refused). Raises what LiteLLM raises for an answer it cannot translate (the caller's 502)."""
     _, _, config = _litellm()
     out = _dump(config.transform_chat_completion_response_to_responses_api_response(
         request_input=body.get("input"), responses_api_request=_responses_params(body),
         chat_completion_response=answer))
     out["model"] = body.get("model", out.get("model"))
+    out["store"] = False  # (LiteLLM echoed the agent's ``store: true``: this gateway stores no response)
+    if isinstance(out.get("output"), list):
+        out["output"] = [_openai_item(item) for item in out["output"]]
+    return out
+
+
+def _openai_item(item: Any) -> Any:
+    """A Responses output item as OpenAI's ``ResponseReasoningItem`` has it, for a reasoning item: LiteLLM
+    wrote one like a message (a ``role``, parts of type ``output_text``, no ``summary``), which OpenAI's SDK
+    types refuse. The engine's reasoning text becomes ``reasoning_text`` parts; ``summary`` is empty (the engine
+    writes no summary); ``id``, ``encrypted_content`` and ``status`` are kept. Other items are returned as
+    they are."""
+    if not isinstance(item, dict) or item.get("type") != "reasoning":
+        return item
+    parts = item.get("content") if isinstance(item.get("content"), list) else []
+    out: dict[str, Any] = {"id": item.get("id"), "type": "reasoning", "summary": [],
+                           "content": [{"type": "reasoning_text", "text": part["text"]} for part in parts
+                                       if isinstance(part, dict) and isinstance(part.get("text"), str)]}
+    for field in ("encrypted_content", "status"):
+        if item.get(field) is not None:
+            out[field] = item[field]
     return out
 
 

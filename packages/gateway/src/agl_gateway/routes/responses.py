@@ -2,7 +2,8 @@
 
 Translated to chat completions with LiteLLM so token ids and logprobs are kept; streams are
 synthesized from one non-streamed upstream call. ``previous_response_id`` is not supported (the
-gateway stores no conversation state): send the full ``input``.
+gateway stores no conversation state): send the full ``input``. Nothing is stored: every answer says
+``"store": false``, and a ``background`` run is refused (400).
 """
 
 from __future__ import annotations
