@@ -4,15 +4,23 @@ A run is a directory holding ``config.json`` or ``metrics.jsonl`` (``runs/<name>
 named by its directory name (the run id, also the prefix of its rollout ids). Every field is read
 defensively: older runs lack some (``time_generation_s`` was ``rollout_s``, ``heldout_before`` was
 ``accuracy_before``...), and a run still training has a half-written last line.
+
+A long run is tens of MB of metrics (100,000 steps: 24 MB, a second or more to parse): :class:`RunCache` keeps
+each run read until one of its files changes (mtime, size), the server reads it in a worker thread, and the run
+page gets a bounded view of it: the last :data:`STEPS_SHOWN` steps in its table and at most :data:`MAX_POINTS`
+points a curve (:meth:`Run.to_json`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,7 @@ from typing import Any
 from agl_common.schemas import MAX_JSON_DEPTH, too_deep
 from agl_common.settings import redacted_text
 
+from ..files import read_jsonl as files_read_jsonl
 from ..files import read_small_file
 
 #: A run whose ``metrics.jsonl`` changed this recently (seconds) and that has no summary is "running".
@@ -51,6 +60,16 @@ STEP_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("rows", ("rows",)), ("breaks", ("merge_breaks",)),
     ("failed", ("failed",)), ("groups", ("groups",)), ("step s", ("step_s",)),
 ]
+
+
+#: Steps in the run page's step table (and the ``table`` of ``/api/runs/{run}``): the last this many; every step
+#: keeps its page (``/runs/{run}/steps/{step}``).
+STEPS_SHOWN = 500
+#: Most points a curve of the run page has: a longer run's steps are taken in buckets of consecutive steps, each
+#: point the mean of its bucket, drawn at the bucket's last step.
+MAX_POINTS = 2000
+#: Evaluation lines the run page lists: the last this many.
+EVALS_SHOWN = 200
 
 
 def pick(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -111,17 +130,13 @@ def read_text(path: Path) -> str | None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON objects of a JSON Lines file (:func:`read_text`, :func:`_loads`); a line that does not parse (a
-    half-written last line) is skipped."""
-    out = []
-    for line in (read_text(path) or "").splitlines():
-        try:
-            obj = _loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+    """JSON objects of a JSON Lines file (:func:`agl_trainer.files.read_jsonl` with :func:`_loads`, as a resume reads
+    ``metrics.jsonl``); a line that does not parse (a half-written last line) is skipped; a file that is not a
+    regular one of at most :data:`MAX_RUN_FILE_BYTES` counts as empty."""
+    try:
+        return files_read_jsonl(path, MAX_RUN_FILE_BYTES, _loads)
+    except ValueError:
+        return []
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -164,6 +179,10 @@ class Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     mtime: float = 0.0
+    #: Names the state of the run's files (:func:`run_signature`): a poll that names it gets "unchanged".
+    version: str = ""
+    #: The bounded views, computed once (a run read is never changed: a change of its files reads a new one).
+    _views: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -193,32 +212,69 @@ class Run:
         found = [m for m in self.steps if m.get("step") == number]
         return found[-1] if found else None
 
-    def series(self) -> list[dict[str, Any]]:
-        """The :data:`CHARTS` data: per chart its title, the step numbers and one list per series
-        (None where a step lacks the field)."""
-        xs = [m.get("step") for m in self.steps]
+    def points_every(self, max_points: int = MAX_POINTS) -> int:
+        """How many consecutive steps one point of a curve stands for: 1 up to ``max_points`` steps."""
+        return max(1, math.ceil(len(self.steps) / max(1, max_points)))
+
+    def series(self, max_points: int = MAX_POINTS) -> list[dict[str, Any]]:
+        """The :data:`CHARTS` data: per chart its title, the step numbers and one list per series (None where a
+        step lacks the field). A run of more than ``max_points`` steps gets ``max_points`` points at most: each
+        the mean of :meth:`points_every` consecutive steps' values (None if none has one), at the last of them."""
+        k = self.points_every(max_points)
+        spans = [(lo, min(lo + k, len(self.steps))) for lo in range(0, len(self.steps), k)]
+        xs = [self.steps[hi - 1].get("step") for _, hi in spans]
+
+        def points(values: list[float | None]) -> list[float | None]:
+            return values if k == 1 else [_mean(values[lo:hi]) for lo, hi in spans]
+
         charts = [{"title": title, "x": xs,
-                   "series": [{"label": label, "values": [_num(pick(m, keys)) for m in self.steps]}
+                   "series": [{"label": label, "values": points([_num(pick(m, keys)) for m in self.steps])}
                               for label, keys in series]}
                   for title, series in CHARTS]
         roles = sorted({r for m in self.steps if isinstance(m.get("roles"), dict) for r in m["roles"]})
         if roles:  # :data:`ROLE_CHARTS`, one series per role
             charts += [{"title": title, "x": xs,
-                        "series": [{"label": role, "values": [_num(_role_value(m, role, key)) for m in self.steps]}
+                        "series": [{"label": role,
+                                    "values": points([_num(_role_value(m, role, key)) for m in self.steps])}
                                    for role in roles]}
                        for title, key in ROLE_CHARTS]
         return charts
 
-    def table(self) -> list[list[str]]:
-        """The step table's cells (strings), one list per step, columns as :data:`STEP_COLUMNS`."""
-        return [[_cell(pick(m, keys)) for _, keys in STEP_COLUMNS] for m in self.steps]
+    def table(self, limit: int | None = STEPS_SHOWN) -> list[list[str]]:
+        """The step table's cells (strings), one list per step, columns as :data:`STEP_COLUMNS`: the last
+        ``limit`` steps (None: every step)."""
+        shown = self.steps if limit is None else self.steps[max(0, len(self.steps) - limit):]
+        return [[_cell(pick(m, keys)) for _, keys in STEP_COLUMNS] for m in shown]
+
+    def evals_shown(self) -> list[dict[str, Any]]:
+        """The evaluation lines the run page lists: the last :data:`EVALS_SHOWN`."""
+        return self.evals[-EVALS_SHOWN:]
 
     def to_json(self) -> dict[str, Any]:
-        """What the run page polls (``/api/runs/{run_id}``)."""
-        return {"run_id": self.run_id, "status": self.status, "steps": len(self.steps),
-                "step_numbers": [m.get("step") for m in self.steps],
+        """What the run page polls (``/api/runs/{run_id}``), of a bounded size whatever the run's length: ``table``
+        (and ``step_numbers``) the last :data:`STEPS_SHOWN` steps, ``table_hidden`` the number of earlier ones,
+        ``charts`` at most :data:`MAX_POINTS` points a series, each the mean of ``points_every`` steps. The
+        charts and the table are computed once per run read (the status, which moves with the clock, each call)."""
+        if "charts" not in self._views:  # (two threads may both compute it: the same values)
+            table = self.table()
+            shown = self.steps[len(self.steps) - len(table):]
+            self._views.update(table=table, step_numbers=[m.get("step") for m in shown],
+                               points_every=self.points_every(), charts=self.series())
+        v = self._views
+        return {"run_id": self.run_id, "status": self.status, "version": self.version, "steps": len(self.steps),
+                "step_numbers": v["step_numbers"], "table_hidden": len(self.steps) - len(v["table"]),
+                "points_every": v["points_every"],
                 "before": self.eval_accuracy("before"), "after": self.eval_accuracy("after"),
-                "charts": self.series(), "table": self.table()}
+                "charts": v["charts"], "table": v["table"]}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the numbers among ``values`` (None if there are none, or if it is not finite)."""
+    nums = [v for v in values if v is not None]
+    if not nums:
+        return None
+    mean = sum(v / len(nums) for v in nums)  # (divided first: a sum of large values would overflow)
+    return mean if math.isfinite(mean) else None
 
 
 def _role_value(m: dict[str, Any], role: str, key: str) -> Any:
@@ -247,15 +303,76 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def run_signature(path: Path) -> tuple:
+    """The state of a run directory's files: ``(mtime_ns, size, inode)`` of ``metrics.jsonl``, ``config.json`` and
+    ``summary.json`` (None for one that cannot be read). Equal signatures: the same content, as far as
+    :class:`RunCache` can tell without reading it. Raises nothing (``stat`` only: a FIFO is not opened)."""
+    out = []
+    for name in ("metrics.jsonl", "config.json", "summary.json"):
+        try:
+            st = (path / name).stat()
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 def load_run(path: Path) -> Run:
     """Read one run directory (missing files give empty fields, never an error)."""
+    version = hashlib.sha1(repr(run_signature(path)).encode()).hexdigest()[:16]  # (before reading: never newer)
     metrics = path / "metrics.jsonl"
     lines = read_jsonl(metrics)
     mtimes = [t for p in (metrics, path / "config.json", path / "summary.json") if (t := _mtime(p)) is not None]
     return Run(run_id=path.name, path=path, config=shown_config(_read_json(path / "config.json") or {}),
                summary=_read_json(path / "summary.json"),
                steps=[m for m in lines if "step" in m and "eval" not in m and "when" not in m],
-               evals=[m for m in lines if "eval" in m or "when" in m], mtime=max(mtimes, default=0.0))
+               evals=[m for m in lines if "eval" in m or "when" in m], mtime=max(mtimes, default=0.0),
+               version=version)
+
+
+class RunCache:
+    """Runs read (:func:`load_run`), each kept until one of its files changes (:func:`run_signature`): a poll of
+    an unchanged run reads nothing (a 100,000-step run was parsed anew, seconds of CPU, on every 2 s poll).
+
+    Keeps the ``size`` most recently used runs, and fewer when together they hold more than ``max_steps`` metrics
+    lines (the most recent is always kept). Thread-safe: a run is read by one thread at a time; a second asking
+    for it meanwhile waits for that read. Meant to be called from worker threads (it reads files)."""
+
+    def __init__(self, size: int = 32, max_steps: int = 500_000):
+        self.size, self.max_steps = size, max_steps
+        self._items: OrderedDict[Path, tuple[tuple, Run]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._reading: dict[Path, threading.Lock] = {}
+
+    def _hit(self, path: Path, signature: tuple) -> Run | None:
+        with self._lock:
+            hit = self._items.get(path)
+            if hit is None or hit[0] != signature:
+                return None
+            self._items.move_to_end(path)
+            return hit[1]
+
+    def get(self, path: Path) -> Run:
+        """The run in ``path``, read again only if its files changed since it was last read. Raises nothing that
+        :func:`load_run` does not."""
+        run = self._hit(path, run_signature(path))
+        if run is not None:
+            return run
+        with self._lock:
+            reading = self._reading.setdefault(path, threading.Lock())
+        with reading:
+            signature = run_signature(path)  # (taken before the read: a change during it reads again next time)
+            run = self._hit(path, signature)
+            if run is not None:  # read by the thread this one waited for
+                return run
+            run = load_run(path)
+            with self._lock:
+                self._items[path] = (signature, run)
+                self._items.move_to_end(path)
+                while len(self._items) > 1 and (len(self._items) > self.size or sum(
+                        len(r.steps) + len(r.evals) for _, r in self._items.values()) > self.max_steps):
+                    self._items.popitem(last=False)
+            return run
 
 
 def find_runs(runs_dir: Path) -> list[Path]:
@@ -293,9 +410,9 @@ def _is_text(name: str) -> bool:
     return True
 
 
-def find_run(runs_dir: Path, run_id: str) -> Run | None:
-    """The run whose directory is named ``run_id``, or None."""
+def find_run(runs_dir: Path, run_id: str, cache: RunCache | None = None) -> Run | None:
+    """The run whose directory is named ``run_id`` (read through ``cache`` when given), or None."""
     for p in find_runs(runs_dir):
         if p.name == run_id:
-            return load_run(p)
+            return cache.get(p) if cache is not None else load_run(p)
     return None

@@ -13,12 +13,18 @@ Pages (every URL names what it shows, so it can be shared)::
     /api/runs, /api/runs/{run}, /api/gateway                 what the pages poll (JSON)
 
 Bad input (an unknown run, step, group, rollout or row; Redis unreachable) gets a page saying so with a
-404 or 503 status, never a traceback.
+404 or 503 status, never a traceback; a run whose ``config.json`` holds settings TrainConfig refuses is shown with
+the defaults, and its pages say which (:func:`~agl_trainer.ui.traces.checked_settings`).
+
+Run directories are read in worker threads, never on the event loop, and kept until their files change
+(:class:`~agl_trainer.ui.runs.RunCache`): a long run (100,000 steps, 24 MB of metrics) neither blocks the other
+pages nor is parsed again on every poll, and its page and JSON are bounded (:meth:`~agl_trainer.ui.runs.Run.to_json`).
 """
 
 from __future__ import annotations
 
 import html
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -29,16 +35,16 @@ from agl_common.store import RolloutNotFound, Store
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from redis.exceptions import RedisError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..algorithm.aggregate import Vocabulary
-from .runs import STEP_COLUMNS, Run, find_run, find_runs, load_run, step_groups
-from .traces import (EVENTS_SHOWN, TraceCache, event_lines, group_view, logprob_colour, message_text,
-                     run_settings)
+from .runs import EVALS_SHOWN, MAX_POINTS, STEP_COLUMNS, STEPS_SHOWN, Run, RunCache, find_run, find_runs, step_groups
+from .traces import EVENTS_SHOWN, TraceCache, checked_settings, event_lines, group_view, logprob_colour, message_text
 
 HERE = Path(__file__).parent
 #: Calls per page of a rollout's calls table, tokens per page of a row's token view.
@@ -65,9 +71,11 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
     store = Store(redis_url, prefix, max_connections=32)
     redis_url = redacted_url(redis_url)  # only ever shown from here on: never its password
     traces = TraceCache(store, decoder)
+    run_cache = RunCache()
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.globals.update(poll_ms=POLL_MS, redis_url=redis_url, prefix=prefix, runs_dir=str(runs_dir),
-                                 quote=quote, STEP_COLUMNS=STEP_COLUMNS)
+                                 quote=quote, STEP_COLUMNS=STEP_COLUMNS, STEPS_SHOWN=STEPS_SHOWN,
+                                 MAX_POINTS=MAX_POINTS, EVALS_SHOWN=EVALS_SHOWN)
     templates.env.filters["fmt"] = _fmt
 
     from contextlib import asynccontextmanager
@@ -97,8 +105,8 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
     async def on_redis_error(request: Request, exc: RedisError):
         return error_page(request, 503, "Redis is not reachable",
                           f"The dashboard reads rollouts and calls from Redis at {redis_url} (prefix {prefix!r}) and "
-                          f"could not: {type(exc).__name__}: {str(exc).rstrip('.')}. Start Redis or pass --redis URL; run pages "
-                          f"that only need {runs_dir} still work.")
+                          f"could not: {type(exc).__name__}: {str(exc).rstrip('.')}. Start Redis or pass --redis URL; "
+                          f"run pages that only need {runs_dir} still work.")
 
     @app.exception_handler(RequestValidationError)
     async def on_bad_parameter(request: Request, exc: RequestValidationError):
@@ -120,20 +128,35 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
                           f"{type(exc).__name__}: {exc}. The server's log has the details.")
 
     # ------------------------------------------------------------------ lookups
-    def get_run(run_id: str) -> Run:
-        run = find_run(runs_dir, run_id)
+    # (the run directories are read in worker threads: a long run's metrics take seconds to parse)
+    def read_run(run_id: str) -> Run:
+        """The run named ``run_id`` (through the cache). Raises :class:`PageError` (404) for an unknown one."""
+        run = find_run(runs_dir, run_id, run_cache)
         if run is None:
             known = ", ".join(p.name for p in find_runs(runs_dir)[:10]) or "none"
             raise PageError(404, "Unknown run", f"No run directory named {run_id!r} under {runs_dir} "
                                                 f"(runs there: {known}).")
         return run
 
+    async def get_run(run_id: str) -> Run:
+        return await run_in_threadpool(read_run, run_id)
+
+    async def all_runs() -> list[Run]:
+        return await run_in_threadpool(lambda: [run_cache.get(p) for p in find_runs(runs_dir)])
+
     def get_step(run: Run, step: int) -> dict:
         m = run.step(step)
         if m is None:
+            numbers = [str(s.get("step")) for s in run.steps]
+            if len(numbers) > 20:  # (a long run: its first and last steps, not 100,000 numbers)
+                numbers = [*numbers[:10], f"… {len(numbers) - 20:,} more …", *numbers[-10:]]
             raise PageError(404, "Unknown step", f"Run {run.run_id} has no step {step} in its metrics.jsonl "
-                                                 f"(steps: {', '.join(str(s.get('step')) for s in run.steps) or 'none'}).")
+                                                 f"(steps: {', '.join(numbers) or 'none'}).")
         return m
+
+    def run_settings_of(run: Run | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """The run's settings and those its config.json holds that TrainConfig refuses (shown as replaced)."""
+        return checked_settings(run.config if run is not None else {})
 
     async def get_rollout(rid: str):
         try:
@@ -150,7 +173,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
         return [r for r in await store.get_rollouts(await store.rollout_ids(), skip_missing=True) if r.group_id == gid]
 
     async def group_summary(run: Run, gid: str) -> dict[str, Any]:
-        settings = run_settings(run.config)
+        settings, _ = run_settings_of(run)
         rollouts = await group_rollouts(gid)
         tr = {r.rollout_id: await traces.summary(r, settings) for r in rollouts}
         view = group_view(rollouts, tr, settings)
@@ -175,8 +198,7 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
     # ------------------------------------------------------------------ pages
     @app.get("/", response_class=HTMLResponse)
     async def index(request: Request):
-        runs = [load_run(p) for p in find_runs(runs_dir)]
-        return page(request, "index.html", runs=runs, crumbs=crumbs())
+        return page(request, "index.html", runs=await all_runs(), crumbs=crumbs())
 
     @app.get("/search")
     async def search(request: Request, q: str = ""):
@@ -185,46 +207,60 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
             raise PageError(400, "Empty search", "Type a rollout id to search for.")
         rollout = await get_rollout(rid)
         info = (await store.groups([rollout.group_id]))[0] if rollout.group_id else None
-        run = find_run(runs_dir, info.run) if info is not None and info.run is not None else None
-        for m in run.steps if run is not None else []:
-            if rollout.group_id in step_groups(m):
-                return RedirectResponse(rollout_url(run, m["step"], rollout.group_id, rid), status_code=303)
+
+        def trained_at() -> tuple[Run, Any] | None:  # (a worker thread: a long run has many steps to look through)
+            run = find_run(runs_dir, info.run, run_cache) if info is not None and info.run is not None else None
+            for m in run.steps if run is not None else []:
+                if rollout.group_id in step_groups(m):
+                    return run, m["step"]
+            return None
+
+        found = await run_in_threadpool(trained_at)
+        if found is not None:
+            return RedirectResponse(rollout_url(found[0], found[1], rollout.group_id, rid), status_code=303)
         return RedirectResponse(rollout_url(None, None, None, rid), status_code=303)
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse)
     async def run_page(request: Request, run_id: str):
-        run = get_run(run_id)
-        return page(request, "run.html", run=run, data=run.to_json(), crumbs=crumbs(run))
+        def read() -> tuple[Run, dict[str, Any]]:  # (a worker thread: a long run's curves take a while)
+            run = read_run(run_id)
+            return run, run.to_json()
+
+        run, data = await run_in_threadpool(read)
+        return page(request, "run.html", run=run, data=data, settings_refused=run_settings_of(run)[1],
+                    crumbs=crumbs(run))
 
     @app.get("/runs/{run_id}/steps/{step}", response_class=HTMLResponse)
     async def step_page(request: Request, run_id: str, step: int):
-        run = get_run(run_id)
+        run = await get_run(run_id)
         m = get_step(run, step)
         groups = [await group_summary(run, gid) for gid in step_groups(m)]
-        return page(request, "step.html", run=run, step=step, m=m, groups=groups, crumbs=crumbs(run, step))
+        return page(request, "step.html", run=run, step=step, m=m, groups=groups,
+                    settings_refused=run_settings_of(run)[1], crumbs=crumbs(run, step))
 
     @app.get("/runs/{run_id}/steps/{step}/groups/{gid}", response_class=HTMLResponse)
     async def group_page(request: Request, run_id: str, step: int, gid: str):
-        run = get_run(run_id)
+        run = await get_run(run_id)
         m = get_step(run, step)
         if gid not in step_groups(m):
             raise PageError(404, "Unknown group", f"Step {step} of run {run_id} trained no group {gid!r}.")
         g = await group_summary(run, gid)
-        return page(request, "group.html", run=run, step=step, g=g, crumbs=crumbs(run, step, gid))
+        return page(request, "group.html", run=run, step=step, g=g, settings_refused=run_settings_of(run)[1],
+                    crumbs=crumbs(run, step, gid))
 
     async def rollout_context(run_id, step, gid, rid):
-        run = get_run(run_id) if run_id is not None else None
+        run = await get_run(run_id) if run_id is not None else None
         if run is not None and step is not None:
             get_step(run, step)
         rollout = await get_rollout(rid)
         if gid is not None and rollout.group_id != gid:
             raise PageError(404, "Unknown rollout", f"Rollout {rid!r} is not in group {gid!r}.")
-        settings = run_settings(run.config if run else {})
+        settings, refused = run_settings_of(run)
         trace = await traces.get(rollout, settings)
-        return run, rollout, trace
+        return run, rollout, trace, refused
 
     async def rollout_page(request, run_id, step, gid, rid, page_no: int, rows_page: int):
-        run, rollout, trace = await rollout_context(run_id, step, gid, rid)
+        run, rollout, trace, refused = await rollout_context(run_id, step, gid, rid)
         n_pages = max(1, math.ceil(len(trace.calls) / CALLS_PER_PAGE))
         if not 1 <= page_no <= n_pages:
             raise PageError(404, "No such page", f"Rollout {rid} has {len(trace.calls)} calls: pages 1 to {n_pages}.")
@@ -243,10 +279,10 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
         return page(request, "rollout.html", run=run, step=step, gid=gid, rollout=rollout, trace=trace,
                     calls=calls, page_no=page_no, n_pages=n_pages, base=base, advantage=adv, rows=rows,
                     rows_page=rows_page, n_row_pages=n_row_pages, events=event_lines(events), n_events=n_events,
-                    message_text=message_text, crumbs=crumbs(run, step, gid, rid))
+                    message_text=message_text, settings_refused=refused, crumbs=crumbs(run, step, gid, rid))
 
     async def row_page(request, run_id, step, gid, rid, k: int, page_no: int):
-        run, rollout, trace = await rollout_context(run_id, step, gid, rid)
+        run, rollout, trace, refused = await rollout_context(run_id, step, gid, rid)
         if not 0 <= k < len(trace.rows):
             raise PageError(404, "Unknown row", f"Rollout {rid} has {len(trace.rows)} row(s) (0 to "
                                                 f"{len(trace.rows) - 1}), not row {k}.")
@@ -275,17 +311,18 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
                     tokens=tokens, page_no=page_no, n_pages=n_pages, brk=brk, base=base,
                     brk_page=(brk["position"] // TOKENS_PER_PAGE + 1) if brk else None,
                     n_sampled=sum(row.response_mask), n_context=len(row.response_mask) - sum(row.response_mask),
+                    settings_refused=refused,
                     crumbs=crumbs(run, step, gid, rid) + [(f"row {k}", f"{base}/rows/{k}")])
 
     async def call_page(request, run_id, step, gid, rid, aid: str, seq: int):
-        run, rollout, trace = await rollout_context(run_id, step, gid, rid)
+        run, rollout, trace, refused = await rollout_context(run_id, step, gid, rid)
         found = [c for c in trace.calls if c.attempt_id == aid and c.seq == seq]
         if not found:
             raise PageError(404, "Unknown call", f"Rollout {rid} has no call {seq} in attempt {aid} "
                                                  f"({len(trace.calls)} calls recorded).")
         base = rollout_url(run, step, gid, rid)
         return page(request, "call.html", rollout=rollout, c=found[0], base=base, said=message_text(found[0]),
-                    row_k=trace.row_of_call.get((aid, seq)),
+                    row_k=trace.row_of_call.get((aid, seq)), settings_refused=refused,
                     crumbs=crumbs(run, step, gid, rid) + [(f"call {aid}/{seq}", f"{base}/calls/{aid}/{seq}")])
 
     @app.get("/runs/{run_id}/steps/{step}/groups/{gid}/rollouts/{rid}", response_class=HTMLResponse)
@@ -335,11 +372,19 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
     async def api_runs():
         return [{"run_id": r.run_id, "name": r.name, "status": r.status, "steps": len(r.steps),
                  "before": r.eval_accuracy("before"), "after": r.eval_accuracy("after")}
-                for r in (load_run(p) for p in find_runs(runs_dir))]
+                for r in await all_runs()]
 
     @app.get("/api/runs/{run_id}")
-    async def api_run(run_id: str):
-        return get_run(run_id).to_json()
+    async def api_run(run_id: str, since: str | None = None):
+        """The run page's data (:meth:`Run.to_json`); ``since``: the ``version`` the page has: when the run's files
+        are still that version, only ``{run_id, status, version, unchanged: true}``."""
+        def answer() -> bytes:  # (a worker thread: reading, and encoding, a long run's data take a while)
+            run = read_run(run_id)
+            data = ({"run_id": run.run_id, "status": run.status, "version": run.version, "unchanged": True}
+                    if since is not None and since == run.version else run.to_json())
+            return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+        return Response(await run_in_threadpool(answer), media_type="application/json")
 
     @app.get("/healthz")
     async def healthz():

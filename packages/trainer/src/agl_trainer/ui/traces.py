@@ -3,7 +3,8 @@
 Rows and merge breaks come from :func:`agl_trainer.algorithm.aggregate.build_rows` run on the rollout's current
 attempt with the run's own settings (``aggregation``, ``max_prompt_tokens``, ``max_response_tokens``),
 and advantages from :func:`agl_trainer.algorithm.batch.advantages_of` with the run's ``advantage``,
-``norm_by_std``, ``advantage_level`` and ``min_group_size``, over the same rollouts the trainer keeps
+``norm_by_std``, ``advantage_level`` and ``min_group_size`` (each checked against its TrainConfig field:
+:func:`checked_settings`), over the same rollouts the trainer keeps
 (:func:`agl_trainer.algorithm.batch.select_groups`, then only rollouts that yield a row, as ``build_batch`` does):
 the page shows what training used, not a re-implementation of it.
 """
@@ -14,23 +15,68 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from agl_common.schemas import CallRecord, Rollout, answer_text, first_choice
 from agl_common.store import Store
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from ..algorithm.aggregate import AggregateStats, Row, Vocabulary, build_rows
 from ..algorithm.batch import advantages_of, select_groups
+from ..config import TrainConfig
 
-#: TrainConfig fields the views use, with the defaults of runs whose config lacks them.
-SETTINGS_DEFAULTS: dict[str, Any] = {"aggregation": "trajectory", "advantage": "grpo", "norm_by_std": True,
-                                     "advantage_level": "rollout", "min_group_size": 2, "max_prompt_tokens": None, "max_response_tokens": None}
+#: TrainConfig fields the views use.
+SETTINGS: tuple[str, ...] = ("aggregation", "advantage", "norm_by_std", "advantage_level", "min_group_size",
+                             "max_prompt_tokens", "max_response_tokens")
+#: Their defaults (TrainConfig's), for a run whose config lacks them or holds a value TrainConfig refuses.
+SETTINGS_DEFAULTS: dict[str, Any] = {k: TrainConfig.model_fields[k].get_default(call_default_factory=True)
+                                     for k in SETTINGS}
+#: Each setting's check: its TrainConfig field's type and constraints (``Literal``, ``ge=1``...).
+_CHECKS: dict[str, TypeAdapter] = {
+    k: TypeAdapter(TrainConfig.model_fields[k].rebuild_annotation(),
+                   config=ConfigDict(allow_inf_nan=TrainConfig.model_config.get("allow_inf_nan", True)))
+    for k in SETTINGS}
+
+
+def _takes_bool(annotation: Any) -> bool:
+    return annotation is bool or bool in get_args(annotation)
+
+
+def checked_settings(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The :data:`SETTINGS` of a run's ``config.json``, each checked against its TrainConfig field as training
+    would check it (pydantic's validation of the field's type and constraints; a boolean is no number).
+
+    Returns ``(settings, refused)``: ``settings`` holds every key of :data:`SETTINGS`, the config's value
+    (as validated: ``"2"`` reads as 2) or, when absent or refused, the default; ``refused`` maps each setting whose
+    value was refused (hand-edited, or written by another AGL version: a newer estimator's name) to a line saying
+    what it was, why it was refused and the default used instead (round 18: ``min_group_size: "two"`` or
+    ``advantage: "banana"`` made the group and rollout pages a 500). Raises nothing."""
+    config = config if isinstance(config, dict) else {}
+    settings, refused = dict(SETTINGS_DEFAULTS), {}
+    for key in SETTINGS:
+        if key not in config:
+            continue
+        value = config[key]
+        try:
+            if isinstance(value, bool) and not _takes_bool(TrainConfig.model_fields[key].annotation):
+                raise ValueError("a boolean, not a value of this setting")
+            settings[key] = _CHECKS[key].validate_python(value)
+        except (ValidationError, ValueError) as exc:
+            why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) and exc.errors() else str(exc)
+            refused[key] = f"was {_short(value)} ({why}): the default {SETTINGS_DEFAULTS[key]!r} is used"
+    return settings, refused
+
+
+def _short(value: Any, chars: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= chars else text[:chars] + "…"
 
 
 def run_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`SETTINGS_DEFAULTS` keys, each from ``config`` (a run's ``config.json``) when present."""
-    return {k: config.get(k, v) for k, v in SETTINGS_DEFAULTS.items()}
+    """The :data:`SETTINGS` of a run's ``config.json`` (:func:`checked_settings`: a value TrainConfig refuses, or
+    an absent one, gives the default)."""
+    return checked_settings(config)[0]
 
 
 def load_decoder(tokenizer: str | None) -> Vocabulary:

@@ -46,45 +46,68 @@ const agl = (() => {
 
   const fmt = v => (v === null || v === undefined) ? "-" : Number(v).toFixed(3);
 
+  function setRunStatus(status) {
+    const el = document.getElementById("run-status");
+    el.textContent = status;
+    el.className = "status " + status;
+  }
+
+  function showRun(d, runUrl) {
+    setRunStatus(d.status);
+    document.getElementById("before").textContent = fmt(d.before);
+    document.getElementById("after").textContent = fmt(d.after);
+    document.getElementById("n-steps").textContent = d.steps;
+    const hidden = document.getElementById("steps-hidden");
+    hidden.hidden = !d.table_hidden;
+    document.getElementById("n-hidden").textContent = Number(d.table_hidden).toLocaleString("en-US");
+    document.getElementById("points-note").hidden = d.points_every <= 1;
+    document.getElementById("points-every").textContent = d.points_every;
+    fillSteps(document.querySelector("#steps tbody"), d.table, runUrl);
+    drawCharts(document.getElementById("charts"), d.charts);
+  }
+
+  // Calls poll() one at a time: the next call starts pollMs after the previous one ended (answered, failed or
+  // threw), never before, so a slow server never has requests piling up; poll() returning false stops it.
+  function every(pollMs, poll) {
+    async function next() {
+      let again = true;
+      try { again = (await poll()) !== false; } catch (e) { /* the server is restarting: try again later */ }
+      if (again) setTimeout(next, pollMs);
+    }
+    setTimeout(next, pollMs);
+  }
+
+  // Polls the run's JSON while the run may still change (not once it is finished: summary.json written). Each
+  // poll names the version the page shows; the server answers "unchanged" (a few bytes) until the files change.
   function runPage(data, runUrl, pollMs) {
-    const charts = document.getElementById("charts");
-    drawCharts(charts, data.charts);
-    let seen = JSON.stringify(data);
-    setInterval(async () => {
-      let resp;
-      try { resp = await fetch("/api" + runUrl); } catch (e) { return; }
-      if (!resp.ok) return;
+    drawCharts(document.getElementById("charts"), data.charts);
+    if (data.status === "finished") return;
+    let version = data.version;
+    every(pollMs, async () => {
+      const resp = await fetch("/api" + runUrl + "?since=" + encodeURIComponent(version));
+      if (!resp.ok) return true;
       const d = await resp.json();
-      const s = JSON.stringify(d);
-      if (s === seen) return;
-      seen = s;
-      document.getElementById("run-status").textContent = d.status;
-      document.getElementById("run-status").className = "status " + d.status;
-      document.getElementById("before").textContent = fmt(d.before);
-      document.getElementById("after").textContent = fmt(d.after);
-      document.getElementById("n-steps").textContent = d.steps;
-      fillSteps(document.querySelector("#steps tbody"), d.table, runUrl);
-      drawCharts(charts, d.charts);
-    }, pollMs);
+      if (d.unchanged) setRunStatus(d.status);
+      else { version = d.version; showRun(d, runUrl); }
+      return d.status !== "finished";
+    });
   }
 
   function pollRuns(pollMs, known) {
     // the run list is small: reload the page when a run appears or a run's step count changes
     let seen = null;
-    setInterval(async () => {
-      let resp;
-      try { resp = await fetch("/api/runs"); } catch (e) { return; }
+    every(pollMs, async () => {
+      const resp = await fetch("/api/runs");
       if (!resp.ok) return;
       const s = JSON.stringify(await resp.json());
       if (seen !== null && s !== seen) location.reload();
       seen = s;
-    }, pollMs);
+    });
   }
 
   function pollGateway(pollMs) {
-    setInterval(async () => {
-      let resp;
-      try { resp = await fetch("/api/gateway"); } catch (e) { return; }
+    every(pollMs, async () => {
+      const resp = await fetch("/api/gateway");
       if (!resp.ok) return;
       const g = await resp.json();
       document.getElementById("policy").textContent = g.policy ? `${g.policy.model} (v${g.policy.version})` : "none set";
@@ -105,7 +128,7 @@ const agl = (() => {
       }
       const none = document.getElementById("no-replicas");
       if (none) none.hidden = g.replicas.length > 0;
-    }, pollMs);
+    });
   }
 
   function reloadWhileRunning(pollMs) {
