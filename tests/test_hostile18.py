@@ -327,3 +327,94 @@ def test_eval_passes_over_runs_trained_with_other_weight_settings(tmp_path):
         (d / "config.json").write_text(json.dumps({**cfg.shown(), "base_model": str(tmp_path)}))
     with pytest.raises(PolicyNotFound, match="trained with other weight settings: "):
         resolve_policy("v3", cfg)
+
+
+async def test_a_stale_outcome_leaves_the_claim_of_the_attempt_now_running(store, redis_url, prefix, tmp_path):
+    """The third prober: controller A, frozen past its lease, had its attempt 0 ended ``controller_lost`` by B, woke,
+    and claimed the retry (attempt 1). When attempt 0's harness then exited, its stale outcome released the
+    rollout's claim, which was attempt 1's, and dropped attempt 1's process from A's table: a clean stop of A
+    neither signalled nor handed back attempt 1, and a crash left it ``running`` for ever, in nobody's processing
+    list. A stale outcome now leaves the claim of the attempt the controller runs, and each attempt has its own
+    process entry."""
+    import sys
+
+    from agl_common.store import Store
+    from agl_controller.local import LocalRunner
+
+    await store.create_rollout(Rollout(rollout_id="r", input={}))
+
+    def runner(cid: str, command: list[str]) -> LocalRunner:
+        return LocalRunner(Store(redis_url, prefix), "http://127.0.0.1:9", command, "m", controller_id=cid,
+                           lease_ttl_s=1.0, max_attempts=3, log_dir=tmp_path / "logs")
+
+    a = runner("ctlA", [sys.executable, "-c",
+                        "import os, time; time.sleep(3 if os.environ['AGL_ATTEMPT_ID'] == '0' else 60)"])
+    b = runner("ctlB", ["true"])
+    try:
+        await a.take_lease()
+        assert await store.claim_queued("ctlA") == "r"
+        first = asyncio.create_task(a.run_one("r"))  # attempt 0: its harness runs 3 s
+        await asyncio.sleep(1.6)  # A is frozen: its 1 s lease lapses
+        await b.take_lease()  # B adopts A's claim: attempt 0 ends controller_lost, attempt 1 is queued
+        await store.renew_lease("ctlA", 1.0)  # A wakes and claims the retry
+        assert await store.claim_queued("ctlA") == "r"
+        second = asyncio.create_task(a.run_one("r"))
+        await asyncio.sleep(0.5)
+        assert (await store.get_rollout("r")).attempt_id == "1"
+        assert await first is None  # attempt 0's outcome: stale
+        assert await store.claimed("ctlA") == ["r"] and list(a._procs) == [("r", "1")]
+        a._tasks.add(second)
+        await a.shutdown()  # a clean stop hands attempt 1 back
+        r = await store.get_rollout("r")
+        assert (r.status.value, r.attempt_id) == ("queuing", "2") and await store.claimed("ctlA") == []
+        assert await store.queued_ids() == ["r"]
+    finally:
+        for proc in list(a._procs.values()):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                __import__("os").killpg(proc.pid, 9)
+        a.close()
+        b.close()
+        await a.store.close()
+        await b.store.close()
+
+
+async def test_two_controllers_starting_under_one_id_at_once_one_is_refused(store, redis_url, prefix, tmp_path):
+    """The third prober: ``take_lease`` read the lease, then set it: two controllers starting at once under one
+    ``--controller-id`` (a fixed ``AGL_CONTROLLER_ID`` in two pods) both saw none and both ran, sharing one lease and
+    one processing list; when the one running a rollout died, the other kept the lease alive and the dead one's
+    rollouts stayed ``running`` (never adopted). The lease is now taken with an owner token in one step: one of
+    them is refused (``ControllerIdLive``). A controller that finds its id taken while its lease lapsed stops and
+    leaves the other's lease and claims alone."""
+    from agl_common.store import Store
+    from agl_controller.base import ControllerIdLive
+    from agl_controller.local import LocalRunner
+
+    def runner() -> LocalRunner:
+        return LocalRunner(Store(redis_url, prefix), "http://127.0.0.1:9", ["true"], "m", controller_id="same",
+                           lease_ttl_s=0.6, log_dir=tmp_path / "logs")
+
+    async def no_lease(_controller_id):
+        return None
+
+    a, b = runner(), runner()
+    try:
+        for r in (a, b):  # both read "no lease" before either writes one (the race)
+            r.store.lease_of = no_lease
+        results = await asyncio.gather(a.take_lease(), b.take_lease(), return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["ControllerIdLive", "bool"], results
+        # the winner is frozen past its lease; a new controller takes the id; the old one wakes and stops
+        first = a if results[0] is True else b
+        await asyncio.sleep(0.8)
+        c = runner()
+        assert await c.take_lease()
+        stop, run_stop = asyncio.Event(), asyncio.Event()
+        await asyncio.wait_for(first.lease_loop(stop, run_stop), 5)
+        assert first.lease_lost.is_set() and run_stop.is_set()
+        await first.store.drop_lease("same", owner=first._lease_owner)  # (its clean exit) leaves c's lease alone
+        assert (await store.lease_of("same"))[0].startswith(c._lease_owner + " ")
+        c.close()
+        await c.store.close()
+    finally:
+        for r in (a, b):
+            r.close()
+            await r.store.close()

@@ -159,6 +159,20 @@ if now < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
 """
 
+_OWNED_LEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, string.len(ARGV[1]) + 1) ~= ARGV[1] .. ' ' then return 0 end
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[4])
+return 1
+"""
+
+_DROP_OWNED_LEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then
@@ -425,6 +439,8 @@ class Store:
         self._drop_replica_script = self.r.register_script(_DROP_REPLICA)
         self._register_group_script = self.r.register_script(_REGISTER_GROUP)
         self._raise_counter_script = self.r.register_script(_RAISE_COUNTER)
+        self._owned_lease_script = self.r.register_script(_OWNED_LEASE)
+        self._drop_owned_lease_script = self.r.register_script(_DROP_OWNED_LEASE)
         self._global = prefix + "{" + (prefix[:-1] if prefix.endswith(":") else prefix) + "}:"
         self._layout_ok = False
 
@@ -967,13 +983,23 @@ class Store:
                                   "RIGHT", "LEFT")
         return item.decode() if item else None
 
-    async def renew_lease(self, controller_id: str, ttl_s: float) -> None:
+    async def renew_lease(self, controller_id: str, ttl_s: float, owner: str | None = None) -> bool:
         """(Re)set the controller's lease so that it expires ``ttl_s`` seconds from now, and register the
-        controller in ``P controllers`` (a set: every controller that may own a processing list)."""
+        controller in ``P controllers`` (a set: every controller that may own a processing list).
+
+        With ``owner`` (a token of the process: a controller's own), the lease is taken or renewed only if nobody
+        holds it or ``owner`` does, in one step (of two controllers starting under one id at once, one gets it);
+        returns whether it is ``owner``'s now. Without, it is set whoever holds it (``True``)."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if owner is not None:
+            return bool(await self._owned_lease_script(keys=[self.key("controller", controller_id),
+                                                             self.key("controllers")],
+                                                       args=[owner, str(time.time()), ttl_ms, controller_id]))
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.key("controller", controller_id), str(time.time()), px=max(1, int(ttl_s * 1000)))
+        pipe.set(self.key("controller", controller_id), str(time.time()), px=ttl_ms)
         pipe.sadd(self.key("controllers"), controller_id)
         await pipe.execute()
+        return True
 
     async def lease_of(self, controller_id: str) -> tuple[str, float] | None:
         """The controller's lease: ``(its last renewal's Unix time as text, seconds until it expires)``, or None
@@ -984,9 +1010,13 @@ class Store:
         raw, pttl = await pipe.execute()
         return None if raw is None or pttl < 0 else (raw.decode(), pttl / 1000)
 
-    async def drop_lease(self, controller_id: str) -> None:
-        """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted."""
-        await self.r.delete(self.key("controller", controller_id))
+    async def drop_lease(self, controller_id: str, owner: str | None = None) -> None:
+        """Delete the controller's lease at once (a clean exit): its leftover claims can be adopted. With ``owner``,
+        only if ``owner`` holds it (:meth:`renew_lease`): never another process's lease of the same id."""
+        if owner is None:
+            await self.r.delete(self.key("controller", controller_id))
+        else:
+            await self._drop_owned_lease_script(keys=[self.key("controller", controller_id)], args=[owner])
 
     async def live_controllers(self) -> list[str]:
         """Ids of the registered controllers whose lease is alive (sorted; from the ``P controllers`` registry)."""

@@ -152,6 +152,11 @@ class Runner:
             else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
         self.reward_timeout_s = reward_timeout_s
+        #: rollout id → the attempt this controller runs now (its claim in our processing list is that attempt's)
+        self._attempts: dict[str, str] = {}
+        self._lease_owner = uuid.uuid4().hex  # this process's token in its lease (Store.renew_lease)
+        #: set when another controller took this id while our lease lapsed: we stop, touching no claim (they are its)
+        self.lease_lost = asyncio.Event()
 
     def close(self) -> None:
         """Stop the reward function's idle worker processes (:class:`agl_controller.reward.RewardPool`)."""
@@ -182,16 +187,28 @@ class Runner:
                 raise ControllerIdLive(f"controller id {self.controller_id!r} is live: another controller renews "
                                        "its lease; give this one another --controller-id (or stop the other)")
             lease = now
-        await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
+        if not await self.store.renew_lease(self.controller_id, self.lease_ttl_s, owner=self._lease_owner):
+            raise ControllerIdLive(f"controller id {self.controller_id!r} is live: another controller took its lease "
+                                   "as this one started; give this one another --controller-id (or stop the other)")
         await self.reconcile_claims(startup=True)
         return True
 
-    async def lease_loop(self, stop: asyncio.Event) -> None:
-        """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``."""
+    async def lease_loop(self, stop: asyncio.Event, run_stop: asyncio.Event | None = None) -> None:
+        """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``. If
+        another controller took this id meanwhile (this one was frozen past its lease), sets :attr:`lease_lost` and
+        ``run_stop`` (the controller stops; its runs are stale) and returns."""
         last_reconcile = time.monotonic()
         while not stop.is_set():
             try:
-                await self.store.renew_lease(self.controller_id, self.lease_ttl_s)
+                if not await self.store.renew_lease(self.controller_id, self.lease_ttl_s, owner=self._lease_owner):
+                    # (frozen past its lease, and another controller started under this id and adopted its claims:
+                    # the runs it still has are stale; they end without touching the other's claims)
+                    log.error("controller id %r was taken by another controller while this one's lease lapsed: "
+                              "stopping", self.controller_id)
+                    self.lease_lost.set()
+                    if run_stop is not None:
+                        run_stop.set()
+                    return
                 if time.monotonic() - last_reconcile >= self.lease_ttl_s:
                     last_reconcile = time.monotonic()
                     await self.reconcile_claims()
@@ -259,11 +276,31 @@ class Runner:
             r.failure = None
 
         try:
-            return await self.store.update_rollout(rollout_id, change)
+            rollout = await self.store.update_rollout(rollout_id, change)
         except (Stale, RolloutNotFound):
             log.info("claimed rollout %s is missing or not queuing; skipped", rollout_id)
             await self.store.release_claim(self.controller_id, rollout_id)
             return None
+        self._attempts[rollout_id] = rollout.attempt_id
+        return rollout
+
+    async def _let_go(self, rollout_id: str, attempt_id: str, requeue: bool = False) -> None:
+        """Release (or with ``requeue``, queue again) the claim of ``rollout_id`` once attempt ``attempt_id``'s outcome
+        is written or dropped as stale, unless this controller runs a newer attempt of it now: the one entry of the
+        rollout in our processing list is then that attempt's (a controller frozen past its lease whose old attempt
+        was ended ``controller_lost`` elsewhere, then claimed the retry), and releasing it would leave the running
+        attempt claimed by nobody: never adopted, ``running`` for ever."""
+        if self.lease_lost.is_set():  # (our processing list is the controller's that took this id)
+            return
+        if self._attempts.get(rollout_id, attempt_id) != attempt_id:
+            log.info("rollout %s attempt %s: its claim is attempt %s's now; kept", rollout_id, attempt_id,
+                     self._attempts[rollout_id])
+            return
+        self._attempts.pop(rollout_id, None)
+        if requeue:
+            await self.store.requeue_claim(self.controller_id, rollout_id)
+        else:
+            await self.store.release_claim(self.controller_id, rollout_id)
 
     async def finish_attempt(self, rollout_id: str, attempt_id: str, failure: str | None,
                              check_calls: bool = True) -> Rollout | None:
@@ -278,7 +315,7 @@ class Runner:
             return await self._finish(rollout_id, attempt_id, failure, check_calls)
         except (Stale, RolloutNotFound, ValueError) as exc:
             log.info("outcome of rollout %s attempt %s dropped: %s", rollout_id, attempt_id, exc or "stale")
-            await self.store.release_claim(self.controller_id, rollout_id)
+            await self._let_go(rollout_id, attempt_id)
             return None
         except Exception:  # noqa: BLE001 - a bug or Redis failing mid-outcome: never leave the attempt running
             log.exception("outcome of rollout %s attempt %s failed; ending it as controller_error", rollout_id,
@@ -302,10 +339,10 @@ class Runner:
             rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
         except (RolloutNotFound, ValueError) as exc:
             log.info("rollout %s attempt %s not handed back: %s", rollout_id, attempt_id, exc)
-            await self.store.release_claim(self.controller_id, rollout_id)
+            await self._let_go(rollout_id, attempt_id)
             return None
         await self.store.add_event(rollout_id, attempt_id, "attempt_interrupted", {"failure": reason})
-        await self.store.requeue_claim(self.controller_id, rollout_id)
+        await self._let_go(rollout_id, attempt_id, requeue=True)
         log.info("rollout %s attempt %s interrupted by shutdown (%s): queued as attempt %s", rollout_id,
                  attempt_id, reason, rollout.attempt_id)
         return rollout
@@ -314,7 +351,7 @@ class Runner:
         """Retry a running attempt that failed with ``failure`` as the next attempt (queued again)."""
         rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
         await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
-        await self.store.requeue_claim(self.controller_id, rollout_id)
+        await self._let_go(rollout_id, attempt_id, requeue=True)
         log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,
                  rollout.attempt_id)
         return rollout
@@ -376,5 +413,5 @@ class Runner:
                 return await self._retry(rollout_id, attempt_id, failure)
         if replaced:
             await self.store.add_event(rollout_id, attempt_id, "reward_replaced", replaced)
-        await self.store.release_claim(self.controller_id, rollout_id)
+        await self._let_go(rollout_id, attempt_id)
         return rollout

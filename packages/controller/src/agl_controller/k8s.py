@@ -415,7 +415,7 @@ class K8sRunner(Runner):
         if not await self.take_lease(stop):  # stopped while an earlier run's lease lapsed
             return
         lease_stop = asyncio.Event()
-        lease_task = asyncio.create_task(self.lease_loop(lease_stop))
+        lease_task = asyncio.create_task(self.lease_loop(lease_stop, stop))
         watch_stop = threading.Event()
         watcher = None
         if self.watch:
@@ -439,7 +439,7 @@ class K8sRunner(Runner):
             lease_stop.set()
             await lease_task
             with contextlib.suppress(Exception):
-                await self.store.drop_lease(self.controller_id)
+                await self.store.drop_lease(self.controller_id, owner=self._lease_owner)
 
     @staticmethod
     async def _wait_any(*events: asyncio.Event) -> None:

@@ -194,8 +194,9 @@ class LocalRunner(Runner):
         # a forked run's /proc/self/environ is the forkserver's: start it with the allow-listed variables only
         self.launcher = Launcher(self.command, preload, env=passed_env(dict(os.environ), self.pass_env))
         self._sem = asyncio.Semaphore(concurrency)
-        self._procs: dict[str, object] = {}  # rollout id → a process with ``pid`` (its process group)
-        self._interrupted: set[str] = set()  # rollout ids whose run this controller's shutdown signalled
+        # (rollout id, attempt id) → a process with ``pid`` (its process group): an attempt's own, never its retry's
+        self._procs: dict[tuple[str, str], object] = {}
+        self._interrupted: set[tuple[str, str]] = set()  # attempts whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -209,7 +210,7 @@ class LocalRunner(Runner):
         if not await self.take_lease(stop):  # stopped while an earlier run's lease lapsed
             return
         lease_stop = asyncio.Event()
-        lease_task = asyncio.create_task(self.lease_loop(lease_stop))
+        lease_task = asyncio.create_task(self.lease_loop(lease_stop, stop))
         try:
             while not stop.is_set():
                 if self._sem.locked():  # all slots busy: wait for one, but keep watching ``stop``
@@ -234,14 +235,14 @@ class LocalRunner(Runner):
             lease_stop.set()
             await lease_task
             with contextlib.suppress(Exception):
-                await self.store.drop_lease(self.controller_id)
+                await self.store.drop_lease(self.controller_id, owner=self._lease_owner)
 
     async def shutdown(self) -> None:
         """SIGTERM every running group, SIGKILL after 3 s, and wait until their rollouts are handed back
         (a new attempt, queued for the next controller: an interrupted run is not the agent's failure)."""
         self._stopping = True
-        for rid, proc in list(self._procs.items()):
-            self._interrupted.add(rid)
+        for run, proc in list(self._procs.items()):
+            self._interrupted.add(run)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         if self._tasks:
@@ -318,9 +319,9 @@ class LocalRunner(Runner):
             if log_fd >= 0:
                 os.close(log_fd)
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
-        self._procs[rollout_id] = proc
+        self._procs[rollout_id, aid] = proc
         if self._stopping:  # the stop came while it was being started: shutdown() did not see it
-            self._interrupted.add(rollout_id)
+            self._interrupted.add((rollout_id, aid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
@@ -329,16 +330,16 @@ class LocalRunner(Runner):
             failure = await self._watch(proc, waiter, log_fd, t0)
         finally:
             os.close(log_fd)
-            self._procs.pop(rollout_id, None)
+            self._procs.pop((rollout_id, aid), None)
             # Reap anything the harness left behind in its group.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
-        if rollout_id in self._interrupted:
+        if (rollout_id, aid) in self._interrupted:
             # our own shutdown signalled it: whatever it exited with (a harness that traps SIGTERM and exits 0,
             # 1 or 143), the run was cut short by us, not by the agent
-            self._interrupted.discard(rollout_id)
+            self._interrupted.discard((rollout_id, aid))
             return await self.hand_back(rollout_id, aid, failure or "interrupted")
         try:
             return await self.finish_attempt(rollout_id, aid, failure)
