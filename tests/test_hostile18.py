@@ -418,3 +418,50 @@ async def test_two_controllers_starting_under_one_id_at_once_one_is_refused(stor
         for r in (a, b):
             r.close()
             await r.store.close()
+
+
+async def test_one_trainer_per_prefix(tmp_path, redis_url, prefix):
+    """The third prober: a second ``train --resume DIR`` of a run that still lived (with ``gateway_url``, no check
+    at start) took over every pending completion of the live trainer (``XAUTOCLAIM`` from idle 0) and adopted its
+    groups: both trained the same group and both committed it; two runs on one prefix with ``gateway_url``
+    published their policies over each other. A trainer now holds its prefix (a lease with an owner token, renewed
+    while it runs): a second one is refused at start (one line, exit 2, with or without ``gateway_url``) and, if
+    it got past that check, before its first step; a killed trainer's lease lapses within ``TRAINER_LEASE_S``."""
+    import time
+
+    from agl_common.store import Store
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.loop import TrainerLease, TrainerLive, train_async
+    from agl_trainer.stack import PrefixInUse, check_prefix_free
+    from rich.console import Console
+
+    from test_loop import TASKS, RecordingBackend
+
+    store = Store(redis_url, prefix)
+    live = TrainerLease(store, "run-a")
+    live.RENEW_S = 0.2
+    try:
+        await live.take()
+        assert await store.hold_trainer("someone-else", "run-b") == "run-a"
+        cfg = TrainConfig(redis_url=redis_url, prefix=prefix, gateway_url="http://127.0.0.1:9")
+        t0 = time.monotonic()
+        with pytest.raises(PrefixInUse, match="run run-a is training on it"):
+            await asyncio.to_thread(check_prefix_free, cfg)
+        assert time.monotonic() - t0 < 5  # a live one is seen at once, not waited for
+        (tmp_path / "tasks.py").write_text(TASKS)
+        cfg = cfg.model_copy(update={"task_file": str(tmp_path / "tasks.py"), "train_fn": "train_problems",
+                                     "heldout_fn": "heldout_problems", "preload": []})
+        backend = RecordingBackend(cfg.model_name)
+        with pytest.raises(TrainerLive, match="being trained by run run-a"):
+            await train_async(cfg, tmp_path, Console(file=io.StringIO()), redis_url, None, backend)
+        assert backend.served == [] and backend.updates == []
+    finally:
+        await live.let_go()
+    assert await store.trainer_of() is None
+    await asyncio.to_thread(check_prefix_free, cfg)  # free again
+    # a killed trainer's lease (never let go) lapses: the next one waits for it, then starts
+    assert await store.hold_trainer("killed", "run-a", ttl_s=1.0) is None
+    t0 = time.monotonic()
+    await asyncio.to_thread(check_prefix_free, cfg)
+    assert 0.3 < time.monotonic() - t0 < 5
+    await store.close()

@@ -39,6 +39,8 @@ key                                 type      holds
                                               version and owning trainer run), written before its rollouts
 ``P {E}:run-groups:{run}``          set       group ids of run ``run`` (:attr:`GroupInfo.run`), written
                                               with the group's record (one script)
+``P {E}:trainer``                   string    ``"{owner token} {run id}"`` of the one trainer of the prefix,
+                                              expires :data:`TRAINER_LEASE_S` after its last renewal
 ==================================  ========  ================================================
 
 A store object is passed to whoever needs it; nothing is kept in module-level state.
@@ -96,6 +98,9 @@ REPLICA_TTL_S = 5
 #: this long (s): a drain waits for it, rather than taking its silence for death and resuming past its calls.
 #: A clean shutdown leaves at once (:meth:`Store.drop_replica`); a killed replica holds drains this long at most.
 REPLICA_LATE_S = 30
+#: Seconds a trainer's lease of its prefix outlives its last renewal (renewed every 2.5 s): how long a killed
+#: trainer's prefix stays taken.
+TRAINER_LEASE_S = 15.0
 #: The ``completed`` stream is trimmed (approximately) to this many entries; a trainer must not lag further.
 COMPLETED_MAXLEN = 1_000_000
 #: Version of the key layout above. 1: untagged keys (``P calls:rid``, ``P queue``); 2: hash-tagged keys.
@@ -163,7 +168,7 @@ _OWNED_LEASE = """
 local held = redis.call('GET', KEYS[1])
 if held and string.sub(held, 1, string.len(ARGV[1]) + 1) ~= ARGV[1] .. ' ' then return 0 end
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
-redis.call('SADD', KEYS[2], ARGV[4])
+if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[4]) end
 return 1
 """
 
@@ -939,7 +944,8 @@ class Store:
     # ---------------------------------------------------------------- controller claims, leases, retries
     # Two more keys, used by the controller only:
     #   ``P processing:{cid}`` (list): rollout ids controller ``cid`` claimed and has not finished yet;
-    #   ``P controller:{cid}`` (string): that controller's lease, expiring ``ttl_s`` after its last renewal.
+    #   ``P controller:{cid}`` (string): that controller's lease (``"{owner token} {Unix time}"`` of its last renewal,
+    #   or the time alone when set without an owner), expiring ``ttl_s`` after its last renewal.
     # A processing list whose lease has expired belongs to a dead controller; another one adopts it.
     async def claim_queued(self, controller_id: str, timeout_s: float | None = 1.0) -> str | None:
         """Atomically move the next queued rollout id into ``P processing:{controller_id}`` and return it.
@@ -1000,6 +1006,30 @@ class Store:
         pipe.sadd(self.key("controllers"), controller_id)
         await pipe.execute()
         return True
+
+    async def hold_trainer(self, owner: str, run: str, ttl_s: float = TRAINER_LEASE_S) -> str | None:
+        """Take or renew the prefix's trainer lease for run ``run`` of the process whose token is ``owner`` (one step:
+        of two trainers starting at once, one gets it): one trainer per prefix, as the prefix has one policy, one
+        control channel and one consumer group per run. Returns ``None`` if it is ``owner``'s now, else the run id
+        of the trainer that holds it."""
+        if await self._owned_lease_script(keys=[self.key("trainer")], args=[owner, run, max(1, int(ttl_s * 1000)), ""]):
+            return None
+        holder = await self.trainer_of()
+        return holder[0] if holder else "(one whose lease just lapsed)"
+
+    async def trainer_of(self) -> tuple[str, float] | None:
+        """``(run id, seconds until its lease expires)`` of the trainer holding the prefix, or None."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.key("trainer"))
+        pipe.pttl(self.key("trainer"))
+        raw, pttl = await pipe.execute()
+        if raw is None or pttl < 0:
+            return None
+        return raw.decode().partition(" ")[2], pttl / 1000
+
+    async def let_go_trainer(self, owner: str) -> None:
+        """End ``owner``'s trainer lease of the prefix (a run's end); another process's lease is left alone."""
+        await self._drop_owned_lease_script(keys=[self.key("trainer")], args=[owner])
 
     async def lease_of(self, controller_id: str) -> tuple[str, float] | None:
         """The controller's lease: ``(its last renewal's Unix time as text, seconds until it expires)``, or None

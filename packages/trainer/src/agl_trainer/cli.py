@@ -142,6 +142,7 @@ def _check_prefix(cfg) -> None:
 
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .cycle import EngineError
+    from .loop import TrainerLive
     from .run import NotResumable, run_training
 
     _check_task(cfg)
@@ -151,6 +152,9 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
         run_training(cfg, console, resume_dir)
     except NotResumable as exc:
         err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    except TrainerLive as exc:  # (a trainer that took the prefix after the check at start)
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")

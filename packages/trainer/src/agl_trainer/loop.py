@@ -20,13 +20,16 @@ choosing the backend is :mod:`agl_trainer.run`'s job; the step table, the curve 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
 
 from agl_common.control import resume as resume_gateway
-from agl_common.store import Store
+from agl_common.store import TRAINER_LEASE_S, Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -43,6 +46,55 @@ from .report import plot_curve, step_table, time_split_totals
 from .scheduler import Group, GroupScheduler, evaluate
 from .tasks import load_is_correct, load_tasks
 from .trackers import Trackers
+
+log = logging.getLogger("agl.trainer")
+
+
+class TrainerLive(RuntimeError):
+    """Another trainer holds the prefix (:meth:`agl_common.store.Store.hold_trainer`): it would train the same groups
+    (a second ``train --resume`` of a live run) or publish its policy over this one's."""
+
+
+class TrainerLease:
+    """This trainer's lease of its prefix, renewed every :data:`RENEW_S` seconds while the run lives (the update runs
+    in a worker thread, so the event loop renews it meanwhile)."""
+
+    RENEW_S = TRAINER_LEASE_S / 6
+
+    def __init__(self, store: Store, run: str):
+        self.store, self.run, self.owner = store, run, uuid.uuid4().hex
+        self.lost: str | None = None  # the run that took the prefix while this one's renewals were late
+        self._task: asyncio.Task | None = None
+
+    async def take(self) -> None:
+        """Take the prefix and start renewing it. Raises :class:`TrainerLive` if another trainer holds it."""
+        holder = await self.store.hold_trainer(self.owner, self.run)
+        if holder is not None:
+            raise TrainerLive(f"prefix {self.store.prefix!r} is being trained by run {holder} (another trainer): "
+                              "stop it first, or give this run another prefix")
+        self._task = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while self.lost is None:
+            await asyncio.sleep(self.RENEW_S)
+            try:
+                self.lost = await self.store.hold_trainer(self.owner, self.run)
+            except Exception as exc:  # noqa: BLE001 - Redis down: the steps fail on their own; keep trying
+                log.warning("trainer lease not renewed: %s", exc)
+
+    def check(self) -> None:
+        """Raise :class:`TrainerLive` if another trainer took the prefix (this one's renewals came too late)."""
+        if self.lost is not None:
+            raise TrainerLive(f"run {self.lost} took prefix {self.store.prefix!r} while this trainer's lease lapsed: "
+                              "stopping (resume this run once the other has stopped)")
+
+    async def let_go(self) -> None:
+        """Stop renewing and end the lease (if it is still this trainer's)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.store.let_go_trainer(self.owner)
 
 
 class TrainingRun:
@@ -253,12 +305,15 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
     except BaseException:
         await store.close()
         raise
+    lease = TrainerLease(store, run_dir.name)
     try:
+        await lease.take()
         with progress:
             first = await (run.resume(state) if state is not None else run.start())
             steps = progress.add_task("training steps", total=cfg.steps, completed=first - 1)
             last = first - 1
             for step in range(first, cfg.steps + 1):
+                lease.check()
                 await run.step(step)
                 last = step
                 progress.update(steps, advance=1)
@@ -271,5 +326,6 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
             await run.evaluate("after", last, run.heldout)
     finally:
         run.trackers.close()
+        await lease.let_go()
         await store.close()
     return run.finish()

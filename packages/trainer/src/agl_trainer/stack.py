@@ -4,6 +4,7 @@ harness, all owned by a :class:`agl_trainer.services.Services` (stopped with it,
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shlex
@@ -28,15 +29,21 @@ def check_prefix_free(cfg: TrainConfig, wait_s: float = 16.0) -> None:
     found is watched for up to ``wait_s`` seconds (a killed one's heartbeat or lease lapses by then: 5 s for a
     replica, the controller's ``--lease-ttl``, 15 s by default); still there, it raises :class:`PrefixInUse` naming
     them. Nothing is checked with ``cfg.gateway_url`` (the run uses that gateway on purpose) or where no Redis
-    answers yet (the run starts its own)."""
-    import asyncio
-    import time
-
+    answers yet (the run starts its own). A trainer holding the prefix (:meth:`~agl_common.store.Store.hold_trainer`:
+    a live run, or a second ``--resume`` of one) is refused with or without ``cfg.gateway_url``: one killed lets go
+    within :data:`~agl_common.store.TRAINER_LEASE_S`, waited for; one that renews its lease meanwhile is live."""
     from agl_common.store import Store
 
     from .services import redis_answers
 
-    if cfg.gateway_url or not redis_answers(cfg.redis_url):
+    if not redis_answers(cfg.redis_url):
+        return
+    holder = asyncio.run(_live_trainer(cfg))
+    if holder is not None:
+        raise PrefixInUse(f"prefix {cfg.prefix!r} is in use: run {holder} is training on it in this Redis (a trainer "
+                          "holds it); stop it first, or give this run another prefix (--prefix or prefix: in the "
+                          "config)")
+    if cfg.gateway_url:
         return
 
     async def users() -> list[str]:
@@ -57,6 +64,26 @@ def check_prefix_free(cfg: TrainConfig, wait_s: float = 16.0) -> None:
     if found:
         raise PrefixInUse(f"prefix {cfg.prefix!r} is in use: {' and '.join(found)} serve it in this Redis (another "
                           "run?); give this run another prefix (--prefix or prefix: in the config), or stop the other")
+
+
+async def _live_trainer(cfg: TrainConfig) -> str | None:
+    """The run id of a live trainer holding ``cfg.prefix`` (its lease renewed while watched), or None once a lease
+    left by a killed one lapses (waited for: at most :data:`~agl_common.store.TRAINER_LEASE_S`)."""
+    from agl_common.store import Store
+
+    store = Store(cfg.redis_url, cfg.prefix, max_connections=2)
+    try:
+        held = await store.trainer_of()
+        deadline = time.monotonic() + (held[1] if held else 0)
+        while held is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            now = await store.trainer_of()
+            if now is not None and now[1] > held[1]:  # renewed: a trainer lives
+                return now[0]
+            held = now
+        return None
+    finally:
+        await store.close()
 
 
 def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
