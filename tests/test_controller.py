@@ -284,13 +284,23 @@ async def test_a_reward_function_that_returns_no_reward_or_exits_is_a_reward_err
 async def test_an_env_map_that_cannot_be_an_environment_fails_the_run_and_never_hides_the_contract(
         store, gateway_url, tmp_path):
     """A NUL in a mapped value (or '=' in a name) raised outside the spawn failure path: the rollout stayed running
-    until controller_lost; an env_map could overwrite OPENAI_BASE_URL."""
+    until controller_lost; an env_map could overwrite OPENAI_BASE_URL. Round 18 (the third prober): such an env_map
+    rendered as a Kubernetes Job the API server refuses (a 422 at every attempt); it is now refused when the
+    rollout is created (``Store.create_rollout``), for both runners; one that does get to a runner (written by
+    an older version) still fails ``spawn_error``."""
     runner = LocalRunner(store, gateway_url, HARNESS, "m", log_dir=tmp_path / "logs")
     env_out = tmp_path / "env.json"
-    await store.create_rollout(Rollout(rollout_id="nul", input={"v": "a\x00b", "calls": 1},
-                                       env_map={"TASK_CALLS": "calls", "BAD": "v"}))
-    await store.create_rollout(Rollout(rollout_id="eq", input={"v": "x", "calls": 1},
-                                       env_map={"TASK_CALLS": "calls", "A=B": "v"}))
+    nul = Rollout(rollout_id="nul", input={"v": "a\x00b", "calls": 1}, env_map={"TASK_CALLS": "calls", "BAD": "v"})
+    eq = Rollout(rollout_id="eq", input={"v": "x", "calls": 1}, env_map={"TASK_CALLS": "calls", "A=B": "v"})
+    for bad, why in ((nul, "holds a NUL"), (eq, "not an environment variable name")):
+        with pytest.raises(ValueError, match=why):
+            await store.create_rollout(bad)
+    for name in ("", "A\nB", "x" * 257):
+        with pytest.raises(ValueError, match="not an environment variable name"):
+            await store.create_rollout(Rollout(rollout_id="n", input={"v": "x"}, env_map={name: "v"}))
+    for bad in (nul, eq):  # (written by an older version: stored past the check)
+        await store.r.set(store.rollout_key("rollout", bad.rollout_id), bad.model_dump_json())
+        await store.r.lpush(store.key("queue"), bad.rollout_id)
     await store.create_rollout(Rollout(rollout_id="hide", input={"v": "http://evil/v1", "calls": 1, "reward": 1.0,
                                                                  "env_out": str(env_out)},
                                        env_map={"TASK_CALLS": "calls", "OPENAI_BASE_URL": "v"}))

@@ -465,3 +465,18 @@ async def test_one_trainer_per_prefix(tmp_path, redis_url, prefix):
     await asyncio.to_thread(check_prefix_free, cfg)
     assert 0.3 < time.monotonic() - t0 < 5
     await store.close()
+
+
+def test_an_endless_task_function_is_one_line_not_all_memory(tmp_path, monkeypatch):
+    """The third prober: ``load_tasks`` took ``list(f())`` unbounded: a task function that is an endless generator
+    grew until the OOM killer came (before anything started, but after minutes). It now stops at ``MAX_TASKS``
+    items with one line (here with the bound lowered to 1000, to keep the test fast)."""
+    from agl_trainer import tasks
+
+    (tmp_path / "t.py").write_text("import itertools\ndef train_forever():\n"
+                                   "    return ({'q': i} for i in itertools.count())\n"
+                                   "def train_some():\n    return [{'q': i} for i in range(1000)]\n")
+    monkeypatch.setattr(tasks, "MAX_TASKS", 1000)
+    with pytest.raises(tasks.TaskError, match="gives more than 1,000 items"):
+        tasks.load_tasks(tmp_path / "t.py", "train_forever")
+    assert len(tasks.load_tasks(tmp_path / "t.py", "train_some")) == 1000

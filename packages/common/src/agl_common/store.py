@@ -88,6 +88,7 @@ from .schemas import (
     TERMINAL,
     check_rollout_id,
     check_transition,
+    env_map_fault,
     record_fault,
 )
 from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, redacted_url
@@ -500,8 +501,11 @@ class Store:
     # ---------------------------------------------------------------- rollouts
     async def create_rollout(self, rollout: Rollout, enqueue: bool = True) -> Rollout:
         """Store a new rollout and queue it. Raises ``ValueError`` if the id exists or cannot name a rollout
-        (:func:`~agl_common.schemas.check_rollout_id`)."""
+        (:func:`~agl_common.schemas.check_rollout_id`), or its ``env_map`` cannot be an environment
+        (:func:`~agl_common.schemas.env_map_fault`)."""
         check_rollout_id(rollout.rollout_id)
+        if why := env_map_fault(rollout):
+            raise ValueError(f"rollout {rollout.rollout_id!r}: {why}")
         await self.ensure_layout()
         key = self.rollout_key("rollout", rollout.rollout_id)
         ok = await self.r.set(key, rollout.model_dump_json(), nx=True)

@@ -6,6 +6,7 @@ Imported once per use; every fault of the user's file is a :class:`TaskError` th
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -43,21 +44,29 @@ def _task_function(module, task_file: str | Path, fn: str) -> Callable:
     return f
 
 
+#: Most task inputs a task function may give (each is checked and kept in memory: ~14 s and a few GB at this bound).
+MAX_TASKS = 1_000_000
+
+
 def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
     """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (JSON objects: each becomes a
     rollout's input).
 
     Raises :class:`TaskError` if the file is missing or fails to import, has no function ``fn``, if ``fn()``
-    raises (or calls ``sys.exit``), or if an item is not a dict that JSON can hold.
+    raises (or calls ``sys.exit``), gives more than :data:`MAX_TASKS` items (an endless generator would fill
+    memory), or if an item is not a dict that JSON can hold.
     """
     from agl_common.schemas import Rollout, long_integer
     from pydantic_core import PydanticSerializationError
 
     f = _task_function(_task_module(task_file), task_file, fn)
     try:
-        tasks = list(f())
+        tasks = list(itertools.islice(f(), MAX_TASKS + 1))
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function, reported as theirs
         raise TaskError(f"task file {task_file}: {fn}() failed: {type(exc).__name__}: {exc}") from exc
+    if len(tasks) > MAX_TASKS:
+        raise TaskError(f"task file {task_file}: {fn}() gives more than {MAX_TASKS:,} items (an endless generator?): "
+                        "give at most that many")
     for i, task in enumerate(tasks):
         try:
             if not isinstance(task, dict):
