@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -480,3 +481,87 @@ def test_an_endless_task_function_is_one_line_not_all_memory(tmp_path, monkeypat
     with pytest.raises(tasks.TaskError, match="gives more than 1,000 items"):
         tasks.load_tasks(tmp_path / "t.py", "train_forever")
     assert len(tasks.load_tasks(tmp_path / "t.py", "train_some")) == 1000
+
+
+SPY = '''
+import gc, json, os, sys
+found = []
+frame = sys._getframe()
+while frame is not None:  # multiprocessing's preparation data of the forkserver this run was forked from
+    found += [v["sys_argv"] for v in frame.f_locals.values() if isinstance(v, dict) and "sys_argv" in v]
+    frame = frame.f_back
+found += [o for o in gc.get_objects() if isinstance(o, list) and "--key" in o]
+found.append(sys.argv)
+with open(json.loads(os.environ["AGL_INPUT"])["out"], "w") as f:
+    json.dump(found, f)
+'''
+
+
+async def test_a_preloaded_harness_finds_no_admin_key_in_its_memory(store, redis_url, prefix, tmp_path):
+    """The fourth prober: a ``--preload`` harness walked its own Python frames to ``multiprocessing``'s preparation
+    data, whose ``sys_argv`` is the controller's ``sys.argv``, and read ``--key`` there (``/proc`` was masked, Python's
+    copy was not); with the key it set another rollout's reward. The CLIs now parse a copy of the command line and
+    mask the secrets in ``sys.argv`` itself, so no multiprocessing child (the forkserver, a reward worker) gets them."""
+    import subprocess
+    import sys
+
+    from agl_gateway.app import create_app
+    from agl_gateway.settings import GatewaySettings
+
+    from fakes import Served, fake_upstream
+
+    key = "admin-k3y-not-for-harnesses-18"
+    (tmp_path / "spy.py").write_text(SPY)
+    out = tmp_path / "found.json"
+    await store.create_rollout(Rollout(rollout_id="spy", input={"out": str(out)}))
+    with Served(fake_upstream()) as up, Served(create_app(GatewaySettings(
+            upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", key=key))) as gw:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_controller", "run", "--command",
+                                 f"{sys.executable} {tmp_path / 'spy.py'}", "--preload", "json", "--gateway", gw.url,
+                                 "--prefix", prefix, "--key", key, "--log-dir", str(tmp_path / "logs")],
+                                env={**os.environ, "AGL_REDIS_URL": redis_url}, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for _ in range(600):
+                if out.exists() and (await store.get_rollout("spy")).status != RolloutStatus.running:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            proc.terminate()
+            log = proc.communicate(timeout=30)[0]
+    found = out.read_text()
+    assert "--key" in found and "***" in found and key not in found, (found[:500], log[-1500:])
+
+
+def test_a_reward_worker_is_not_dumpable(monkeypatch):
+    """The fourth prober: the reward function's worker (a ``spawn`` child: exec'd, so dumpable again) could have its
+    memory read through ``/proc/<pid>/mem`` by a harness of the same user. It now makes itself non-dumpable, as the
+    controller does (``/proc/<pid>/mem`` then belongs to root): the reward function reads its own flag."""
+    from agl_controller.reward import RewardPool
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    pool = RewardPool("rewards:dumpable")
+    try:
+        assert asyncio.run(pool.score({}, "x", 30)) == 0.0
+    finally:
+        pool.close()
+
+
+async def test_one_call_asks_for_a_bounded_number_of_choices(store, redis_url, prefix, upstream):  # noqa: F811
+    """The fourth prober: ``n`` had no upper bound: one call with ``n: 100000`` (and a huge ``max_tokens``) was sent
+    to the engine as it was, queueing that many generations past every cap (the caps count calls); 64 such calls
+    starved every other rollout. ``n`` is now at most 16 (400 before the engine is asked); 16 is still forwarded."""
+    await make_rollout(store)
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
+            msg = [{"role": "user", "content": "3+4?"}]
+            for n in (17, 100_000):
+                r = await c.post(url, json={"model": "m", "messages": msg, "n": n})
+                assert r.status_code == 400 and "from 1 to 16" in r.text, r.text
+            assert len(upstream.app.state.calls) == 0
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/completions", json={"model": "m", "prompt": "x",
+                                                                                     "n": 17})
+            assert r.status_code == 400 and len(upstream.app.state.calls) == 0
+            r = await c.post(url, json={"model": "m", "messages": msg, "n": 16})  # (the stand-in answers 1 choice)
+            assert r.status_code != 400 and upstream.app.state.calls[-1]["n"] == 16

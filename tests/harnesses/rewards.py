@@ -55,3 +55,11 @@ def gil(inp: dict, output: str) -> float:
 
     ctypes.PyDLL(None).sleep(int(inp.get("hold_s", 3)))
     return 1.0
+
+
+def dumpable(inp: dict, output: str) -> float:
+    """The worker's own dumpable flag (``prctl(PR_GET_DUMPABLE)``): 1.0 if another process of its user may read
+    its memory through ``/proc/<pid>/mem``, 0.0 if not."""
+    import ctypes
+
+    return float(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE

@@ -96,3 +96,18 @@ def argv_secrets(argv: list[str]) -> list[str]:
         if secret and value:
             found.append(value)
     return found
+
+
+def scrub_argv(secrets: Iterable[str | None]) -> None:
+    """Replace each of ``secrets`` in ``sys.argv`` (Python's own copy of the command line) by ``***``, in place.
+
+    A child started by ``multiprocessing`` (the ``--preload`` forkserver, a reward function's worker: ``spawn``)
+    gets ``sys.argv`` in its preparation data and keeps it in memory: a harness forked from that forkserver read the
+    controller's ``--key`` back by walking its own frames (round 18). Call it after :func:`hide_from_proc` and
+    hand the CLI parser a copy taken before (``app(args=argv)``). Never raises."""
+    found = [s for s in secrets if s]
+    for i, arg in enumerate(sys.argv):
+        for secret in found:
+            if secret in arg:
+                arg = arg.replace(secret, "***")
+        sys.argv[i] = arg

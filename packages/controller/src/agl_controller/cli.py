@@ -337,9 +337,12 @@ def main() -> None:
     """The ``agl-controller`` entry point: the admin key and a Redis password are hidden from ``/proc`` first
     (:func:`agl_common.proc_secrets.hide_from_proc`; this process also made non-dumpable): every local harness
     runs as this process's user."""
-    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc, scrub_argv
 
-    hide_from_proc(argv_secrets(sys.argv[1:]), dumpable=False)  # a harness reads /proc/<pid>/{cmdline,environ}
+    args = sys.argv[1:]  # (parsed from this copy: sys.argv itself reaches multiprocessing children)
+    secrets = argv_secrets(args)
+    hide_from_proc(secrets, dumpable=False)  # a harness reads /proc/<pid>/{cmdline,environ}
+    scrub_argv(secrets)
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` and uvicorn: a --reward-fn, --preload
         sys.path.insert(0, os.getcwd())  # or task module in the working directory imports from the console script too
-    app()
+    app(args=args)

@@ -70,8 +70,12 @@ def _one_line(exc: BaseException) -> str:
 def _serve(conn, spec: str) -> None:
     """A worker's main: load ``spec``, say so, then answer ``(input, output)`` requests with ``(True, reward)``
     or ``(False, message)`` until the controller closes the pipe."""
+    from agl_common.proc_secrets import hide_from_proc
     from agl_common.schemas import check_reward
 
+    # an exec'd child is dumpable again: a harness of the same user could read this worker's memory (the reward
+    # function's own secrets, a judge's API key) through /proc/<pid>/mem; not any more (as the controller itself)
+    hide_from_proc((), dumpable=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the controller, which decides
     try:
         fn = load_reward_fn(spec)

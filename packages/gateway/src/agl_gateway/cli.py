@@ -112,7 +112,10 @@ def run_server(app_, **config) -> None:
 def main() -> None:
     """The ``agl-gateway`` entry point: its key and a Redis password are hidden from ``/proc`` first
     (:func:`agl_common.proc_secrets.hide_from_proc`)."""
-    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc, scrub_argv
 
-    hide_from_proc(argv_secrets(sys.argv[1:]))  # a harness reads /proc/<pid>/{cmdline,environ}
-    app()
+    args = sys.argv[1:]  # (parsed from this copy: sys.argv itself reaches multiprocessing children)
+    secrets = argv_secrets(args)
+    hide_from_proc(secrets)  # a harness reads /proc/<pid>/{cmdline,environ}
+    scrub_argv(secrets)
+    app(args=args)

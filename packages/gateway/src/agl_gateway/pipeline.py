@@ -129,10 +129,16 @@ def _token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
+#: Most choices (``n``) one call may ask for: the caps on calls in flight and records count calls, and one call of
+#: ``n: 100000`` would queue that many generations on the engine before any answer bound could refuse it.
+MAX_CHOICES = 16
+
+
 def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     """The engine's request for the agent's ``body`` (translated, stream fields removed, ``force`` set);
     ``ApiError`` 400 if it cannot be made (also for a ``stream``, or a chat ``logprobs``, that is not a JSON
-    boolean: ``"false"`` would otherwise read as true; for an ``n`` that is not a positive JSON integer; for a
+    boolean: ``"false"`` would otherwise read as true; for an ``n`` that is not a JSON integer from 1 to
+    :data:`MAX_CHOICES`; for a
     completions ``prompt`` that is not one prompt; and for a ``stream_options`` that is not an object, which the engine or a synthesized stream would fail on after the
     call)."""
     for flag in ("stream", "logprobs") if spec.route == "chat" else ("stream",):
@@ -141,8 +147,8 @@ def upstream_body(spec: RouteSpec, body: dict[str, Any]) -> dict[str, Any]:
     if spec.route == "completions" and body.get("logprobs") is not None and not (
             type(body["logprobs"]) is int and body["logprobs"] >= 0):
         raise bad_request(f"'logprobs' must be a non-negative integer, got {body['logprobs']!r:.40}")
-    if body.get("n") is not None and not (type(body["n"]) is int and body["n"] >= 1):  # (the engine reads 2.0 as
-        raise bad_request(f"'n' must be a positive integer, got {body['n']!r:.40}")  # 2: count the choices alike)
+    if body.get("n") is not None and not (type(body["n"]) is int and 1 <= body["n"] <= MAX_CHOICES):  # (the engine
+        raise bad_request(f"'n' must be an integer from 1 to {MAX_CHOICES}, got {body['n']!r:.40}")  # reads 2.0 as 2)
     prompt = body.get("prompt")
     if spec.route == "completions" and not (isinstance(prompt, str) or _token_ids(prompt) or (
             isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])))):

@@ -764,9 +764,12 @@ def main() -> None:
     as the same user."""
     import os
 
-    from agl_common.proc_secrets import argv_secrets, hide_from_proc
+    from agl_common.proc_secrets import argv_secrets, hide_from_proc, scrub_argv
 
-    hide_from_proc(argv_secrets(sys.argv[1:]))  # a harness reads /proc/<pid>/{cmdline,environ}
+    args = sys.argv[1:]  # (parsed from this copy: sys.argv itself reaches multiprocessing children)
+    secrets = argv_secrets(args)
+    hide_from_proc(secrets)  # a harness reads /proc/<pid>/{cmdline,environ}
+    scrub_argv(secrets)
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m`: a task or reward module in the working
         sys.path.insert(0, os.getcwd())  # directory imports from the console script too
     if not sys.stdout.isatty():
@@ -775,7 +778,7 @@ def main() -> None:
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
     try:
-        app()
+        app(args=args)
     except (RedisConnectionError, RedisTimeoutError) as exc:  # one line, not a traceback
         err.print(f"[red]error[/red]: {escape(redis_error_line(exc))}", soft_wrap=True)
         sys.exit(1)
