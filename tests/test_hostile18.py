@@ -64,6 +64,13 @@ def test_the_vocabulary_size_is_the_models_embedding_else_the_tokenizers(tmp_pat
     assert load_vocabulary(model).size == n + 64
     (model / "config.json").write_text(json.dumps({"model_type": "x", "text_config": {"vocab_size": n + 8}}))
     assert load_vocabulary(model).size == n + 8
+    from agl_trainer.model import embedded_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    for odd in ({"vocab_size": True}, {"vocab_size": -3}, {"vocab_size": "big"}, {"text_config": "x"},
+                {"text_config": [1]}, [1, 2]):  # (the fifth prober: true bounded every id to 0; a string text_config
+        (model / "config.json").write_text(json.dumps(odd))  # was an AttributeError after the services started)
+        assert embedded_ids(tok, model) == n, odd
 
 
 @pytest.mark.timeout(300)

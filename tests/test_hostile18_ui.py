@@ -241,3 +241,27 @@ def test_the_run_page_polls_one_at_a_time_and_not_a_finished_run(browser, redis_
             assert page.evaluate("window.__polls") == 0
         finally:
             context.close()
+
+
+def test_the_run_cache_is_bounded_in_bytes(tmp_path):
+    """The fifth prober: the run cache counted runs (32) and metrics lines (500,000), not bytes: four runs of a
+    17 MiB ``metrics.jsonl`` of a few long lines each stayed cached, ~550 MiB of memory (at the 64 MiB read bound,
+    32 runs: ~16 GiB). It now also keeps their files under ``max_bytes`` together (the newest run always)."""
+    import json
+
+    from agl_trainer.ui.runs import RunCache
+
+    line = json.dumps({"step": 1, "blob": "x" * (2 * 2**20)}) + "\n"
+    runs = []
+    for i in range(4):
+        run = tmp_path / f"r{i}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(line)
+        runs.append(run)
+    cache = RunCache(max_bytes=5 * 2**20)
+    for run in runs:
+        assert cache.get(run).steps
+    assert [p.name for p in cache._items] == ["r2", "r3"]
+    big = RunCache(max_bytes=5 * 2**20)
+    (runs[0] / "metrics.jsonl").write_text(line * 3)  # one run past the bound alone: still kept (the newest)
+    assert big.get(runs[0]).steps and list(big._items) == [runs[0]]

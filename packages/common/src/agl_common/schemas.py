@@ -215,11 +215,12 @@ class Rollout(BaseModel):
 
 def env_map_fault(rollout: Rollout) -> str | None:
     """Why ``rollout.env_map`` cannot become environment variables of its harness, or ``None``: a name that is
-    empty, holds ``=``, a NUL or another control character (no OS takes it, and the Kubernetes API server refuses
-    the Job), or longer than 256 characters; a string input value it maps that holds a NUL (no environment can hold
-    one). Checked when the rollout is created, so that it is refused then, not at every attempt."""
+    empty, longer than 256 characters, holds ``=`` or anything but printable ASCII (a NUL, a newline, a space, ``É``:
+    an OS or the Kubernetes API server refuses it, even its relaxed names of 1.32); a string input value it maps that
+    holds a NUL (no environment can hold one). Checked when the rollout is created, so that it is refused then, not
+    at every attempt."""
     for name, field in rollout.env_map.items():
-        if not name or len(name) > 256 or "=" in name or any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        if not name or len(name) > 256 or "=" in name or any(not 0x21 <= ord(ch) <= 0x7E for ch in name):
             return f"env_map name {name[:60]!r} is not an environment variable name"
         value = rollout.input.get(field)
         if isinstance(value, str) and "\x00" in value:

@@ -95,10 +95,10 @@ def embedded_ids(tokenizer, model_dir=None) -> int:
     ``model_dir`` when it has one (often padded past the tokenizer: Qwen2.5 151,936 for 151,665 tokens), else
     ``len(tokenizer)`` (a tokenizer-only directory). SmolLM2-135M: 49,152."""
     path = Path(model_dir) / "config.json" if model_dir is not None else None
-    if path is not None and path.is_file():
-        config = json.loads(path.read_text())
-        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-        if isinstance(size, int) and size > 0:
+    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    for where in (config, config.get("text_config")) if isinstance(config, dict) else ():
+        size = where.get("vocab_size") if isinstance(where, dict) else None
+        if type(size) is int and size > 0:  # (not a bool: ``true`` would bound every id to 0)
             return size
     return len(tokenizer)
 

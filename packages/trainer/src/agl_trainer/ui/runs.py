@@ -330,16 +330,23 @@ def load_run(path: Path) -> Run:
                version=version)
 
 
+def _file_bytes(signature: tuple) -> int:
+    """The bytes of a run's files, from its :func:`run_signature`."""
+    return sum(entry[1] for entry in signature if entry is not None)
+
+
 class RunCache:
     """Runs read (:func:`load_run`), each kept until one of its files changes (:func:`run_signature`): a poll of
     an unchanged run reads nothing (a 100,000-step run was parsed anew, seconds of CPU, on every 2 s poll).
 
     Keeps the ``size`` most recently used runs, and fewer when together they hold more than ``max_steps`` metrics
-    lines (the most recent is always kept). Thread-safe: a run is read by one thread at a time; a second asking
-    for it meanwhile waits for that read. Meant to be called from worker threads (it reads files)."""
+    lines or their files more than ``max_bytes`` (parsed, a file takes several times its size: four 17 MiB files of
+    a few long lines held ~550 MiB; the most recent run is always kept). Thread-safe: a run is read by one thread
+    at a time; a second asking for it meanwhile waits for that read. Meant to be called from worker threads (it
+    reads files)."""
 
-    def __init__(self, size: int = 32, max_steps: int = 500_000):
-        self.size, self.max_steps = size, max_steps
+    def __init__(self, size: int = 32, max_steps: int = 500_000, max_bytes: int = 64 * 2**20):
+        self.size, self.max_steps, self.max_bytes = size, max_steps, max_bytes
         self._items: OrderedDict[Path, tuple[tuple, Run]] = OrderedDict()
         self._lock = threading.Lock()
         self._reading: dict[Path, threading.Lock] = {}
@@ -370,7 +377,8 @@ class RunCache:
                 self._items[path] = (signature, run)
                 self._items.move_to_end(path)
                 while len(self._items) > 1 and (len(self._items) > self.size or sum(
-                        len(r.steps) + len(r.evals) for _, r in self._items.values()) > self.max_steps):
+                        len(r.steps) + len(r.evals) for _, r in self._items.values()) > self.max_steps or sum(
+                        _file_bytes(sig) for sig, _ in self._items.values()) > self.max_bytes):
                     self._items.popitem(last=False)
             return run
 
