@@ -240,7 +240,8 @@ async def test_new_controller_adopts_jobs_of_a_dead_one(store, fake):
     a = runner(store, fake, controller_id="A")
     for rid in ("x", "y", "q"):
         await store.create_rollout(Rollout(rollout_id=rid))
-    await store.renew_lease("A", 0.2)
+    a.lease_ttl_s = 0.2
+    await store.renew_lease("A", 0.2, owner=a._lease_owner)  # (its own lease: launch_some renews it first)
     a.concurrency = 2
     assert await a.launch_some() == 2  # x and y run; q stays queued
     # a crash between "running" and the Job's creation: claimed, running, no Job

@@ -433,23 +433,24 @@ async def test_one_trainer_per_prefix(tmp_path, redis_url, prefix):
     at start) took over every pending completion of the live trainer (``XAUTOCLAIM`` from idle 0) and adopted its
     groups: both trained the same group and both committed it; two runs on one prefix with ``gateway_url``
     published their policies over each other. A trainer now holds its prefix (a lease with an owner token, renewed
-    while it runs): a second one is refused at start (one line, exit 2, with or without ``gateway_url``) and, if
-    it got past that check, before its first step; a killed trainer's lease lapses within ``TRAINER_LEASE_S``."""
+    from a thread of its own): a second one is refused at start (one line, exit 2, with or without
+    ``gateway_url``) and, if it got past that check, before it touches anything; a killed trainer's lease lapses."""
     import time
 
     from agl_common.store import Store
     from agl_trainer.config import TrainConfig
-    from agl_trainer.loop import TrainerLease, TrainerLive, train_async
+    from agl_trainer.lease import TrainerLease, TrainerLive
+    from agl_trainer.loop import train_async
     from agl_trainer.stack import PrefixInUse, check_prefix_free
     from rich.console import Console
 
     from test_loop import TASKS, RecordingBackend
 
     store = Store(redis_url, prefix)
-    live = TrainerLease(store, "run-a")
-    live.RENEW_S = 0.2
+    live = TrainerLease(redis_url, prefix, "run-a")
+    live.renew_s = 0.2
     try:
-        await live.take()
+        await asyncio.to_thread(live.take)
         assert await store.hold_trainer("someone-else", "run-b") == "run-a"
         cfg = TrainConfig(redis_url=redis_url, prefix=prefix, gateway_url="http://127.0.0.1:9")
         t0 = time.monotonic()
@@ -463,8 +464,10 @@ async def test_one_trainer_per_prefix(tmp_path, redis_url, prefix):
         with pytest.raises(TrainerLive, match="being trained by run run-a"):
             await train_async(cfg, tmp_path, Console(file=io.StringIO()), redis_url, None, backend)
         assert backend.served == [] and backend.updates == []
+        await asyncio.sleep(0.5)
+        await live.confirm()  # renewed all along: still run-a's
     finally:
-        await live.let_go()
+        await asyncio.to_thread(live.let_go)
     assert await store.trainer_of() is None
     await asyncio.to_thread(check_prefix_free, cfg)  # free again
     # a killed trainer's lease (never let go) lapses: the next one waits for it, then starts
@@ -472,6 +475,33 @@ async def test_one_trainer_per_prefix(tmp_path, redis_url, prefix):
     t0 = time.monotonic()
     await asyncio.to_thread(check_prefix_free, cfg)
     assert 0.3 < time.monotonic() - t0 < 5
+    await store.close()
+
+
+async def test_a_trainer_that_lost_its_prefix_neither_pauses_publishes_nor_commits(tmp_path, redis_url, prefix):
+    """The fifth prober: a trainer stalled past its lease while inside a step (Ctrl-Z, a VM pause) woke after
+    another trainer had taken the prefix, and still paused that one's gateway, published its policy over it and
+    committed (the lease was looked at only between steps). The lease is now confirmed (a fresh owned renewal)
+    before the pause, before the publish and before the commit: the cycle stops there, its pause released."""
+    from agl_common.store import Store
+    from agl_trainer.cycle import backend_cycle
+    from agl_trainer.lease import TrainerLease, TrainerLive
+
+    from test_loop import RecordingBackend
+
+    store = Store(redis_url, prefix)
+    mine = TrainerLease(redis_url, prefix, "run-a")
+    await asyncio.to_thread(mine.take)
+    try:
+        await store.r.delete(store.key("trainer"))  # run-a stalled past its lease...
+        assert await store.hold_trainer("b-token", "run-b") is None  # ...and run-b took the prefix
+        backend = RecordingBackend("m")
+        with pytest.raises(TrainerLive, match="run run-b took prefix"):
+            await backend_cycle(store, backend, 1, [], [], 5.0, mine.confirm)
+        assert backend.updates == [] and backend.published == [] and await store.pauses() == {}
+    finally:
+        await asyncio.to_thread(mine.let_go)
+    assert (await store.trainer_of())[0] == "run-b"  # left alone
     await store.close()
 
 
@@ -572,3 +602,112 @@ async def test_one_call_asks_for_a_bounded_number_of_choices(store, redis_url, p
             assert r.status_code == 400 and len(upstream.app.state.calls) == 0
             r = await c.post(url, json={"model": "m", "messages": msg, "n": 16})  # (the stand-in answers 1 choice)
             assert r.status_code != 400 and upstream.app.state.calls[-1]["n"] == 16
+
+
+async def test_a_controller_whose_id_was_taken_claims_nothing_more(store, redis_url, prefix, tmp_path):
+    """The fifth prober: a controller frozen past its lease whose id another controller then took went on claiming
+    (nothing checked the lease before ``claim_queued``) into that one's processing list, then handed the run back
+    as a new attempt without queueing it: the rollout stayed ``queuing`` in no queue. It now renews its lease (with
+    its token) before each claim and stops at once when the id is another's."""
+    from agl_common.store import Store
+    from agl_controller.local import LocalRunner
+
+    a = LocalRunner(Store(redis_url, prefix), "http://127.0.0.1:9", ["sleep", "30"], "m", controller_id="c",
+                    lease_ttl_s=30, log_dir=tmp_path / "logs")
+    stop = asyncio.Event()
+    task = asyncio.create_task(a.run_forever(stop))
+    try:
+        for _ in range(100):
+            if await store.lease_of("c"):
+                break
+            await asyncio.sleep(0.05)
+        await store.r.delete(store.key("controller", "c"))  # A's lease lapsed while it was frozen...
+        assert await store.renew_lease("c", 30, owner="another-process")  # ...and another controller took the id
+        await store.create_rollout(Rollout(rollout_id="x", input={}))
+        await asyncio.wait_for(task, 10)  # A stops by itself
+        assert a.lease_lost.is_set() and await store.queued_ids() == ["x"] and await store.claimed("c") == []
+        assert (await store.get_rollout("x")).status.value == "queuing"
+        assert (await store.lease_of("c"))[0].startswith("another-process ")  # left alone
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        a.close()
+        await a.store.close()
+
+
+def test_a_refused_trainer_touches_nothing_the_holder_uses(tmp_path, redis_url, prefix, monkeypatch):
+    """The fifth prober: two trainers that both passed the check at start, on a shared engine (``engine_url``,
+    ``policy_serving: merged``): the one refused by the lease had already loaded its weights into the engine the
+    holder serves from, started its gateway and controller and written the run's ``config.json``, and on its way
+    out loaded the base weights again. The lease is now taken before any of that; a refused trainer does none."""
+    import agl_trainer.run as run_module
+    import agl_trainer.services as services
+    import agl_trainer.stack as stack
+    from agl_common.store import Store
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.lease import TrainerLive
+
+    from test_loop import TASKS
+
+    touched = []
+
+    class NoServices:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def ensure_redis(self, url):
+            return url
+
+    monkeypatch.setattr(services, "Services", NoServices)
+    monkeypatch.setattr(stack, "start_engine", lambda *a, **k: touched.append("engine") or ("http://e", tmp_path))
+    monkeypatch.setattr(stack, "start_agents", lambda *a, **k: touched.append("gateway and controller"))
+    monkeypatch.setattr(run_module, "cpu_backend", lambda *a, **k: touched.append("backend"))
+    async def hold():
+        store = Store(redis_url, prefix)
+        try:
+            return await store.hold_trainer("holder", "run-a", ttl_s=60)
+        finally:
+            await store.close()
+
+    assert asyncio.run(hold()) is None
+    (tmp_path / "tasks.py").write_text(TASKS)
+    cfg = TrainConfig(task_file=str(tmp_path / "tasks.py"), train_fn="train_problems", heldout_fn="heldout_problems",
+                      out_dir=str(tmp_path / "runs"), redis_url=redis_url, prefix=prefix, preload=[],
+                      engine_url="http://127.0.0.1:9", gateway_url="http://127.0.0.1:9", policy_serving="merged")
+    with pytest.raises(TrainerLive, match="run-a"):
+        run_module.run_training(cfg, resume_dir=None)
+    assert touched == [] and not list((tmp_path / "runs").glob("*/config.json"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_held_by_a_pause_gives_its_slot_back_when_its_agent_leaves(store, redis_url, prefix, upstream,
+                                                                               stream):
+    """The fifth prober: 64 calls held by a pause whose agents gave up (SDK timeouts during a long update) kept
+    their slots (and bodies) until the pause ended: the attempt's next call got 503 ``too_many_in_flight``. A held
+    call now leaves the gate as soon as its agent goes away (a live stream's too), is neither forwarded nor
+    recorded, and the attempt's next call is held as usual."""
+    from agl_common.control import pause_and_drain, resume
+
+    await make_rollout(store)
+    body = {"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "stream": stream}
+    with gateway(redis_url, prefix, upstream.url, max_in_flight_per_attempt=4) as gw:
+        url = f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions"
+        await pause_and_drain(store, pause_id="P", timeout_s=10)
+        async with httpx.AsyncClient() as c:
+            for _ in range(6):  # more than the attempt's 4 slots: each leaves before the next comes
+                with pytest.raises(httpx.TimeoutException):
+                    await c.post(url, json=body, timeout=0.4)
+                await asyncio.sleep(0.3)
+            last = asyncio.create_task(c.post(url, json=body, timeout=30))
+            await asyncio.sleep(0.5)
+            assert not last.done()  # held, not refused
+            await resume(store, release="P")
+            r = await last
+        assert r.status_code == 200, r.text
+        assert len(upstream.app.state.calls) == 1 and len(await store.read_calls("r1")) == 1

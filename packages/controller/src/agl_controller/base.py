@@ -155,7 +155,7 @@ class Runner:
         #: rollout id → the attempt this controller runs now (its claim in our processing list is that attempt's)
         self._attempts: dict[str, str] = {}
         self._lease_owner = uuid.uuid4().hex  # this process's token in its lease (Store.renew_lease)
-        #: set when another controller took this id while our lease lapsed: we stop, touching no claim (they are its)
+        #: set when another controller took this id while our lease lapsed: we claim nothing more and stop
         self.lease_lost = asyncio.Event()
 
     def close(self) -> None:
@@ -193,6 +193,20 @@ class Runner:
         await self.reconcile_claims(startup=True)
         return True
 
+    async def still_mine(self) -> bool:
+        """Renew this controller's lease with its owner token; ``False`` (and :attr:`lease_lost` set) if another
+        controller holds this id now: this one was frozen past its lease and another started under the id, adopting
+        its claims. It must then claim nothing more (every claim would go to that one's processing list) and stop;
+        its runs end as stale. Raises what Redis raises."""
+        if self.lease_lost.is_set():
+            return False
+        if await self.store.renew_lease(self.controller_id, self.lease_ttl_s, owner=self._lease_owner):
+            return True
+        log.error("controller id %r was taken by another controller while this one's lease lapsed: stopping",
+                  self.controller_id)
+        self.lease_lost.set()
+        return False
+
     async def lease_loop(self, stop: asyncio.Event, run_stop: asyncio.Event | None = None) -> None:
         """Renew the lease every ``lease_ttl_s / 3`` s and reconcile every ``lease_ttl_s`` s, until ``stop``. If
         another controller took this id meanwhile (this one was frozen past its lease), sets :attr:`lease_lost` and
@@ -200,12 +214,7 @@ class Runner:
         last_reconcile = time.monotonic()
         while not stop.is_set():
             try:
-                if not await self.store.renew_lease(self.controller_id, self.lease_ttl_s, owner=self._lease_owner):
-                    # (frozen past its lease, and another controller started under this id and adopted its claims:
-                    # the runs it still has are stale; they end without touching the other's claims)
-                    log.error("controller id %r was taken by another controller while this one's lease lapsed: "
-                              "stopping", self.controller_id)
-                    self.lease_lost.set()
+                if not await self.still_mine():
                     if run_stop is not None:
                         run_stop.set()
                     return
@@ -290,8 +299,6 @@ class Runner:
         rollout in our processing list is then that attempt's (a controller frozen past its lease whose old attempt
         was ended ``controller_lost`` elsewhere, then claimed the retry), and releasing it would leave the running
         attempt claimed by nobody: never adopted, ``running`` for ever."""
-        if self.lease_lost.is_set():  # (our processing list is the controller's that took this id)
-            return
         if self._attempts.get(rollout_id, attempt_id) != attempt_id:
             log.info("rollout %s attempt %s: its claim is attempt %s's now; kept", rollout_id, attempt_id,
                      self._attempts[rollout_id])

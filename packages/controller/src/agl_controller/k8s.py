@@ -471,6 +471,8 @@ class K8sRunner(Runner):
         """Claim queued rollouts and create their Jobs while concurrency and rate allow. Returns how many."""
         n = 0
         while len(await self.store.claimed(self.controller_id)) < self.concurrency:
+            if not await self.still_mine():  # (a claim would go to the list of the controller holding our id)
+                break
             if not self.rate.allow():
                 break
             rid = await self.store.claim_queued(self.controller_id, timeout_s=None)

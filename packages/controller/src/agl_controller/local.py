@@ -218,6 +218,10 @@ class LocalRunner(Runner):
                     continue
                 await self._sem.acquire()
                 try:
+                    if not await self.still_mine():  # (a claim would go to the list of the controller holding our id)
+                        self._sem.release()
+                        stop.set()
+                        break
                     rid = await self.store.claim_queued(self.controller_id, timeout_s=0.5)
                 except Exception as exc:  # Redis down: wait and retry
                     self._sem.release()

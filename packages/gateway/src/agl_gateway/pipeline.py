@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from agl_common.schemas import MAX_JSON_DEPTH, Policy, UnknownRole, route_call, too_deep
@@ -195,14 +195,22 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     call = Call(st, ident, spec, body, upstream, t_call, role, AgentWatch(request))
     if stream and spec.live_stream and not body.get("tools") and body.get("n", 1) == 1:
         relay = LiveRelay()
+        call.watch = None  # (the relay knows whether its agent is there: RelayResponse listens once it answers)
         task = asyncio.create_task(call.run_live(relay))
         st.tasks.add(task)
         task.add_done_callback(st.tasks.discard)
+        left = asyncio.ensure_future(AgentWatch(request).left())
         try:
-            await relay.started  # an error before the first event is raised here: its own status
+            await asyncio.wait({relay.started, left}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             relay.agent_gone()
             raise
+        finally:
+            left.cancel()
+        if not relay.started.done():  # the agent left before the first event (held by a pause, or a slow engine)
+            relay.agent_gone()
+            return Response(status_code=499)
+        relay.started.result()  # an error before the first event is raised here: its own status
         return RelayResponse(relay)
     out = await call.run(None, sse=stream)
     if out is None:  # the agent went away (nobody reads this; 499 as nginx logs it)
@@ -210,6 +218,9 @@ async def model_call(request: Request, spec: RouteSpec) -> Response:
     if isinstance(out, list):
         return StreamingResponse(iter(out), media_type="text/event-stream")
     return Response(out, media_type="application/json")
+
+
+T = TypeVar("T")
 
 
 class AgentWatch:
@@ -234,10 +245,10 @@ class AgentWatch:
         return self.gone
 
 
-async def _unless_gone(answer: Awaitable[dict[str, Any]], watch: AgentWatch | None) -> dict[str, Any] | None:
-    """``await answer``, or ``None`` as soon as the agent went away first: the engine's call is then cancelled (its
-    connection closed: vLLM aborts the generation), so an abandoned call neither keeps the engine busy nor holds a
-    pause's drain until the engine would have answered."""
+async def _unless_gone(answer: Awaitable[T], watch: AgentWatch | LiveRelay | None) -> T | None:
+    """``await answer``, or ``None`` as soon as the agent went away first (``watch.left()`` returned): ``answer`` is
+    then cancelled. An engine call's connection closes (vLLM aborts the generation), so an abandoned call neither
+    keeps the engine busy nor holds a pause's drain; a call held by a pause gives its slot back at once."""
     task = asyncio.ensure_future(answer)
     if watch is None:
         return await task
@@ -288,7 +299,9 @@ class Call:
         for _ in range(MAX_ABORT_RETRIES):
             t_gate = time.perf_counter()
             who = f"{self.ident.rollout_id}/{self.ident.attempt_id}"
-            held = await enter_gate(st, who)
+            held = await _unless_gone(enter_gate(st, who), self.watch if relay is None else relay)
+            if held is None:  # the agent left while a pause held its call: its slot is free, nothing forwarded
+                return None
             waited += time.perf_counter() - t_gate
             try:
                 check_not_displaced(st)

@@ -49,6 +49,7 @@ class LiveRelay:
         self.gone = False
         self.delivered = False
         self.reader: asyncio.Task | None = None
+        self._left = asyncio.Event()
 
     def send(self, event: bytes) -> None:
         self.queue.put_nowait(event)
@@ -73,8 +74,13 @@ class LiveRelay:
 
     def agent_gone(self) -> None:
         self.gone = True
+        self._left.set()
         if self.reader is not None:
             self.reader.cancel()
+
+    async def left(self) -> None:
+        """Return once the agent went away (:meth:`agent_gone`)."""
+        await self._left.wait()
 
 
 class RelayResponse(StreamingResponse):

@@ -142,7 +142,7 @@ def _check_prefix(cfg) -> None:
 
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .cycle import EngineError
-    from .loop import TrainerLive
+    from .lease import TrainerLive
     from .run import NotResumable, run_training
 
     _check_task(cfg)

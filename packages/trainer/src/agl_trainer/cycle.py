@@ -10,6 +10,7 @@ gateway is resumed with that name and version, so every call from then on is ser
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -92,7 +93,7 @@ async def unload_adapter(engine_url: str, name: str) -> None:
 
 
 async def backend_cycle(store: Store, backend, version: int, rows: list, row_advantages: list[float],
-                        drain_timeout_s: float = 120.0) -> dict:
+                        drain_timeout_s: float = 120.0, owned: Callable[[], Awaitable[None]] | None = None) -> dict:
     """One collocated cycle against any backend (:class:`agl_trainer.backends.Backend`); returns timings
     (seconds) merged with the update's stats, and ``cycle_events`` (``[name, unix time]``, in order).
 
@@ -101,7 +102,11 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
     (the engine serves the new policy; returns the :class:`Policy` that routes to it) → gateway resumed on
     that policy, so every call from then on is recorded with it. If anything fails after the pause, the
     gateway is resumed on the *old* policy before re-raising: agents are never left held by a crashed trainer.
+    ``owned`` (:meth:`agl_trainer.lease.TrainerLease.confirm`) is awaited before the pause and before the publish:
+    it raises once another trainer holds the prefix, and this one then neither pauses its gateway nor publishes.
     """
+    if owned is not None:
+        await owned()
     events: list[list] = []
     t0 = time.perf_counter()
     events.append(["pause", time.time()])
@@ -112,6 +117,8 @@ async def backend_cycle(store: Store, backend, version: int, rows: list, row_adv
     try:
         stats = await compute.run(backend.update, rows, row_advantages)  # the run's one torch thread
         t_update = time.perf_counter()
+        if owned is not None:
+            await owned()
         policy = await backend.publish(version)
     except BaseException:
         await resume(store, release=pause)

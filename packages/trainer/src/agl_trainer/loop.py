@@ -21,15 +21,13 @@ choosing the backend is :mod:`agl_trainer.run`'s job; the step table, the curve 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import time
 import uuid
 from pathlib import Path
 
 from agl_common.control import resume as resume_gateway
-from agl_common.store import TRAINER_LEASE_S, Store
+from agl_common.store import Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,56 +43,12 @@ from .hardware import describe
 from .report import plot_curve, step_table, time_split_totals
 from .scheduler import Group, GroupScheduler, evaluate
 from .tasks import load_is_correct, load_tasks
+from .lease import TrainerLease
 from .trackers import Trackers
 
-log = logging.getLogger("agl.trainer")
 
-
-class TrainerLive(RuntimeError):
-    """Another trainer holds the prefix (:meth:`agl_common.store.Store.hold_trainer`): it would train the same groups
-    (a second ``train --resume`` of a live run) or publish its policy over this one's."""
-
-
-class TrainerLease:
-    """This trainer's lease of its prefix, renewed every :data:`RENEW_S` seconds while the run lives (the update runs
-    in a worker thread, so the event loop renews it meanwhile)."""
-
-    RENEW_S = TRAINER_LEASE_S / 6
-
-    def __init__(self, store: Store, run: str):
-        self.store, self.run, self.owner = store, run, uuid.uuid4().hex
-        self.lost: str | None = None  # the run that took the prefix while this one's renewals were late
-        self._task: asyncio.Task | None = None
-
-    async def take(self) -> None:
-        """Take the prefix and start renewing it. Raises :class:`TrainerLive` if another trainer holds it."""
-        holder = await self.store.hold_trainer(self.owner, self.run)
-        if holder is not None:
-            raise TrainerLive(f"prefix {self.store.prefix!r} is being trained by run {holder} (another trainer): "
-                              "stop it first, or give this run another prefix")
-        self._task = asyncio.create_task(self._renew())
-
-    async def _renew(self) -> None:
-        while self.lost is None:
-            await asyncio.sleep(self.RENEW_S)
-            try:
-                self.lost = await self.store.hold_trainer(self.owner, self.run)
-            except Exception as exc:  # noqa: BLE001 - Redis down: the steps fail on their own; keep trying
-                log.warning("trainer lease not renewed: %s", exc)
-
-    def check(self) -> None:
-        """Raise :class:`TrainerLive` if another trainer took the prefix (this one's renewals came too late)."""
-        if self.lost is not None:
-            raise TrainerLive(f"run {self.lost} took prefix {self.store.prefix!r} while this trainer's lease lapsed: "
-                              "stopping (resume this run once the other has stopped)")
-
-    async def let_go(self) -> None:
-        """Stop renewing and end the lease (if it is still this trainer's)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self.store.let_go_trainer(self.owner)
+async def _always_owned() -> None:
+    """A run driven without a lease (tests): always its prefix's."""
 
 
 class TrainingRun:
@@ -116,6 +70,7 @@ class TrainingRun:
         self.evals: list[dict] = []
         self.train_s = 0.0  # seconds of training steps so far (evaluations excluded)
         self.version = 0
+        self.owned = _always_owned  # raises TrainerLive once another trainer holds the prefix (TrainerLease.confirm)
         # metrics.jsonl and each chosen experiment tracker; the run prints its own console lines
         self.trackers = Trackers(cfg.loggers, run_dir)
         self.show = "console" in cfg.loggers
@@ -208,7 +163,7 @@ class TrainingRun:
              **batch_signals(rollouts, calls), **rollout_phase_split(rollouts, calls, t0_wall, ready_wall),
              **adv_stats, **astats.metrics()}
         if rows and any(abs(a) > 0 for a in row_adv):
-            cycle = await backend_cycle(store, self.backend, self.version + 1, rows, row_adv, cfg.drain_s)
+            cycle = await backend_cycle(store, self.backend, self.version + 1, rows, row_adv, cfg.drain_s, self.owned)
             self.version += 1
             m.update(cycle, policy_version=self.version, time_update_s=cycle["update_s"],
                      time_pause_drain_s=cycle["drain_s"], time_weight_load_s=cycle["weight_load_s"])
@@ -224,6 +179,7 @@ class TrainingRun:
         m["time_idle_s"] = m["time_idle_s"] + max(0.0, m["step_s"] - sum(m.get(k) or 0.0 for k in TIME_KEYS))
         self.train_s += m["step_s"]
         self.trackers.log_metrics(m, step)  # metrics.jsonl and each chosen tracker
+        await self.owned()  # (a trainer that lost its prefix commits nothing: the holder trains those groups)
         await self.scheduler.commit(batch.groups)
         self.metrics.append(m)
         if self.show:
@@ -286,14 +242,17 @@ def step_line(m: dict, train_s: float) -> str:
 
 
 async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_url: str, state: dict | None,
-                      backend, vocab: Vocabulary | None = None) -> dict:
+                      backend, vocab: Vocabulary | None = None, lease: TrainerLease | None = None) -> dict:
     """The loop proper, against running services. Returns the summary (also written to ``summary.json``).
 
     ``state``: the checkpoint to resume from (:func:`agl_trainer.checkpoint.load_checkpoint`); the backend
     should already serve its version (the caller does it before any agent runs; the loop restores and serves
     it again). ``backend``: the :class:`agl_trainer.backends.base.Backend` that trains and serves the policy.
     ``vocab``: the base model's :class:`~agl_trainer.algorithm.aggregate.Vocabulary` (rows are built without one
-    too: no merge-break classes, no stop-token check, no bound on ids). Raises :class:`agl_trainer.tasks.TaskError`
+    too: no merge-break classes, no stop-token check, no bound on ids). ``lease``: this trainer's lease of its prefix,
+    taken by the caller before it started anything; None: taken here (and let go at the end). Raises
+    :class:`agl_trainer.lease.TrainerLive` if another trainer holds the prefix, or takes it during the run (checked
+    before each pause, publish and commit). Raises :class:`agl_trainer.tasks.TaskError`
     for an unusable task file.
     """
     store = Store(redis_url, cfg.prefix)
@@ -305,15 +264,18 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
     except BaseException:
         await store.close()
         raise
-    lease = TrainerLease(store, run_dir.name)
+    own = lease is None  # (a caller that started services first took it before them: run_training)
+    if own:
+        lease = TrainerLease(redis_url, cfg.prefix, run_dir.name)
+    run.owned = lease.confirm
     try:
-        await lease.take()
+        if own:
+            await asyncio.to_thread(lease.take)
         with progress:
             first = await (run.resume(state) if state is not None else run.start())
             steps = progress.add_task("training steps", total=cfg.steps, completed=first - 1)
             last = first - 1
             for step in range(first, cfg.steps + 1):
-                lease.check()
                 await run.step(step)
                 last = step
                 progress.update(steps, advance=1)
@@ -326,6 +288,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
             await run.evaluate("after", last, run.heldout)
     finally:
         run.trackers.close()
-        await lease.let_go()
+        if own:
+            await asyncio.to_thread(lease.let_go)
         await store.close()
     return run.finish()

@@ -34,6 +34,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     With ``resume_dir`` (a previous run's directory), continue that run from its last checkpoint.
     """
     from .cycle import check_engine
+    from .lease import TrainerLease
     from .model import load_vocabulary
     from .services import Services
     from .stack import start_agents, start_engine
@@ -44,7 +45,6 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     if state is not None:
         check_resumable(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
         import os
 
@@ -59,8 +59,12 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                   f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
     console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
                   f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
-    with Services(run_dir / "logs") as svc:
-        redis_url = svc.ensure_redis(cfg.redis_url)
+    with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url), cfg.prefix,
+                                                         run_dir.name) as lease:
+        # the prefix is this trainer's from here on: nothing another trainer uses was touched before (the engine's
+        # weights, the gateway, the controller, a live run's config.json on a second --resume of it)
+        redis_url = lease.redis_url
+        (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
         engine, base = start_engine(svc, cfg, console, lora=cfg.policy_serving == "adapter")
         if cfg.engine_url:  # an engine this run did not start: can it swap policies? (before minutes of training)
             asyncio.run(check_engine(engine, cfg.policy_serving))
@@ -72,9 +76,10 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                       f"redis {redacted_url(redis_url)}, run {run_dir}")
         vocab = load_vocabulary(base)  # merge-break classes, end-of-turn ids, the bound on ids: once per run
         try:
-            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab))
+            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab, lease))
         finally:
-            if cfg.engine_url and cfg.policy_serving == "merged":  # an engine this run did not start: base again
+            # an engine this run did not start gets its base weights again (not once another trainer holds the prefix)
+            if cfg.engine_url and cfg.policy_serving == "merged" and lease.lost is None:
                 try:
                     asyncio.run(backend.serve(0))
                 except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway

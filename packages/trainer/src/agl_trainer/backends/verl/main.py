@@ -73,6 +73,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     from ...checkpoint import resume_state
     from ...config import TrainConfig
     from ...loop import train_async
+    from ...lease import TrainerLease
     from ...model import ensure_base_model, load_vocabulary
     from ...services import Services
     from ...stack import start_agents
@@ -101,14 +102,17 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
                 backend.model_name = backend._served_model(f"http://{addresses[0]}")
             cfg_run = cfg.model_copy(update={"model_name": backend.model_name})
             redis_url = svc.ensure_redis(cfg.redis_url)
-            gateway = start_agents(svc, cfg, engine_upstream(addresses), redis_url, backend.model_name,
-                                   run_dir / "logs" / "rollouts", python=svc.python)
-            console.print(f"verl engines {addresses}, gateway {redacted_url(gateway)}, redis {redacted_url(redis_url)}, "
-                          f"run {run_dir} (verl ready after {time.time() - t0:.0f} s)")
+            lease = TrainerLease(redis_url, cfg.prefix, run_dir.name)
+            lease.take()  # (before the gateway and controller: TrainerLive if another trainer holds the prefix)
             try:
+                gateway = start_agents(svc, cfg, engine_upstream(addresses), redis_url, backend.model_name,
+                                       run_dir / "logs" / "rollouts", python=svc.python)
+                console.print(f"verl engines {addresses}, gateway {redacted_url(gateway)}, redis "
+                              f"{redacted_url(redis_url)}, run {run_dir} (verl ready after {time.time() - t0:.0f} s)")
                 vocab = load_vocabulary(ensure_base_model(cfg.base_model))
-                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend, vocab))
+                summary = asyncio.run(train_async(cfg_run, run_dir, console, redis_url, state, backend, vocab, lease))
             finally:
+                lease.let_go()
                 result["verl"] = {"addresses": addresses, "ranks": ranks, "server_events": _server_events(addresses),
                                   "backend_events": backend.events, "steps": backend.step_checks,
                                   "init_s": backend.started_at - t0}
