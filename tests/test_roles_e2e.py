@@ -11,6 +11,7 @@ import httpx
 import pytest
 from agl_common.control import resume
 from agl_common.schemas import RolloutStatus
+from agl_common.settings import engine_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -66,7 +67,7 @@ async def test_each_role_trains_and_serves_its_own_adapter(team_stack, store, ba
     for role, b in backend.backends.items():  # each role's adapter moved, trained by its own optimizer
         after = lora_weights(b)
         assert any(not after[k].equal(before[role][k]) for k in after), role
-    served = [m["id"] for m in httpx.get(f"{engine}/v1/models").json()["data"]]
+    served = [m["id"] for m in httpx.get(f"{engine}/v1/models", headers=engine_headers()).json()["data"]]
     assert {"policy-v1-solver", "policy-v1-checker"} <= set(served)
     assert (await store.get_policy()).roles == {"solver": "policy-v1-solver", "checker": "policy-v1-checker"}
     # the next rollouts' calls go to each role's new adapter, recorded with role and version

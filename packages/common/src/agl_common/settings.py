@@ -6,6 +6,7 @@ Every field can be set from an ``AGL_``-prefixed environment variable (``AGL_RED
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -149,6 +150,18 @@ def engine_base_urls(value: str) -> list[str]:
     if not urls:
         raise ValueError("no engine URL given")
     return [check_http_url(url, "engine URL") for url in urls]
+
+
+#: The engine's API key (environment only): the gateway sends it on every engine request (``GatewaySettings
+#: .upstream_key``), and the trainer on its own (adapter loads, weight reloads, probes). A run that starts its vLLM
+#: sets it to a fresh key of that engine's (``agl_trainer.stack.start_engine``).
+ENGINE_KEY_ENV = "AGL_UPSTREAM_KEY"
+
+
+def engine_headers() -> dict[str, str]:
+    """``{"Authorization": "Bearer <key>"}`` when :data:`ENGINE_KEY_ENV` is set and not empty, else ``{}``."""
+    key = os.environ.get(ENGINE_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def check_gateway_url(url: str, what: str = "gateway URL") -> str:

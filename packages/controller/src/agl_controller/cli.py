@@ -58,8 +58,8 @@ def check_gateway_key(gateway: str, key: str | None) -> None:
 
 #: the options only one mode reads (parameter name → mode); the other mode would ignore them
 MODE_ONLY = {"command": "local", "preload": "local", "pass_env": "local", "log_dir": "local",
-             "max_log_bytes": "local", "template": "k8s", "namespace": "k8s", "jobs_per_minute": "k8s",
-             "ttl_after_finished": "k8s", "input_templates": "k8s", "inputs": "k8s"}
+             "max_log_bytes": "local", "run_as": "local", "template": "k8s", "namespace": "k8s",
+             "jobs_per_minute": "k8s", "ttl_after_finished": "k8s", "input_templates": "k8s", "inputs": "k8s"}
 
 
 def check_mode_options(ctx: typer.Context, mode: str) -> list[str]:
@@ -133,6 +133,9 @@ def run(
                                  help="local: comma-separated names (or globs like MY_*) of this controller's "
                                       "variables each run gets; by default a run gets only PATH, HOME, locale and "
                                       "the like, plus the contract's variables (never AGL_KEY or AGL_REDIS_URL)"),
+    run_as: str = typer.Option(None, "--run-as", envvar="AGL_RUN_AS",
+                               help="local: a Unix user (name or uid) every run becomes, so that a harness cannot "
+                                    "read this controller's memory or its user's files; needs root"),
     dry_run: bool = typer.Option(False, "--dry-run", help="k8s: print the rendered Job manifests and exit"),
     inputs: list[str] = typer.Option(None, "--input", help="k8s --dry-run: a rollout input as JSON (repeatable); "
                                                              "default: the rollouts now queued in Redis"),
@@ -201,13 +204,19 @@ def run(
             typer.echo(f"--log-dir {log_dir}: {exc.strerror or exc}", err=True)
             raise typer.Exit(2) from None
         from .local import passed_env
-        from .spawn import LaunchError, Launcher
+        from .spawn import LaunchError, Launcher, check_user_runs, harness_user
 
         try:
             passed_env({}, _csv(pass_env))
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
+        if run_as is not None:
+            try:
+                check_user_runs(harness_user(run_as), shlex.split(command), os.getcwd())
+            except LaunchError as exc:
+                typer.echo(f"--{exc}", err=True)
+                raise typer.Exit(2) from None
 
         try:  # checked before anything starts: a command preload cannot fork is a usage error
             Launcher(shlex.split(command), _csv(preload))
@@ -245,7 +254,7 @@ def run(
 
             runner = LocalRunner(store, gateway, command, model, concurrency=concurrency, timeout_s=timeout, key=key,
                                  log_dir=log_dir, preload=_csv(preload), pass_env=_csv(pass_env),
-                                 max_log_bytes=max_log_bytes, **common)
+                                 max_log_bytes=max_log_bytes, run_as=run_as, **common)
         else:
             from .k8s import K8sRunner, load_api_client
 

@@ -43,7 +43,7 @@ from agl_common.settings import check_env_names, redacted_text
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
-from .spawn import Launcher, create_log
+from .spawn import Launcher, check_user_runs, create_log, harness_user
 
 log = logging.getLogger("agl.controller")
 
@@ -56,8 +56,9 @@ BASE_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE",
                  "TRANSFORMERS_OFFLINE")
 
 
-#: Never passed to a harness, whatever ``pass_env`` names (``AGL_*`` or ``*`` too): the admin key and the Redis URL.
-NEVER_PASSED = frozenset({"AGL_KEY", "AGL_REDIS_URL"})
+#: Never passed to a harness, whatever ``pass_env`` names (``AGL_*`` or ``*`` too): the admin key, the Redis URL and
+#: the engine's key.
+NEVER_PASSED = frozenset({"AGL_KEY", "AGL_REDIS_URL", "AGL_UPSTREAM_KEY", "VLLM_API_KEY"})
 #: Default most bytes of one attempt's log (stdout and stderr): past it the run is stopped, failure ``log_limit``.
 DEFAULT_MAX_LOG_BYTES = 64 * 2**20
 #: Seconds between two checks of a running attempt's log size.
@@ -161,8 +162,11 @@ class LocalRunner(Runner):
             group gets SIGKILL) and fails ``log_limit``; its log is then cut to ``max_log_bytes`` and ends with a
             line saying so. The size is checked every :data:`LOG_CHECK_S` seconds: until the stop, the file may
             pass the limit by what the harness writes in that time.
+        run_as: a Unix user (name or uid) every run becomes (``HOME``, ``USER`` and ``LOGNAME`` its own): it then
+            cannot read this controller's memory or files of this user's; needs root (docs/controller.md).
 
-    Raises :class:`agl_controller.spawn.LaunchError` if ``preload`` is set for a command it cannot fork.
+    Raises :class:`agl_controller.spawn.LaunchError` if ``preload`` is set for a command it cannot fork, or
+    ``run_as`` names no user or one this process cannot become.
     """
 
     def __init__(self, store: Store, gateway_url: str, command: list[str] | str, model: str,
@@ -171,7 +175,8 @@ class LocalRunner(Runner):
                  extra_env: dict[str, str] | None = None, max_attempts: int = 1,
                  retry_on: Iterable[str] = DEFAULT_RETRY_ON, controller_id: str | None = None,
                  lease_ttl_s: float = 15.0, preload: list[str] | None = None, pass_env: Iterable[str] = (),
-                 reward_fn_always: bool = False, max_log_bytes: int = DEFAULT_MAX_LOG_BYTES):
+                 reward_fn_always: bool = False, max_log_bytes: int = DEFAULT_MAX_LOG_BYTES,
+                 run_as: str | None = None):
         super().__init__(store, reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry_on,
                          controller_id=controller_id, lease_ttl_s=lease_ttl_s, reward_fn_always=reward_fn_always,
                          reward_timeout_s=timeout_s)  # a reward function gets a run's time at most
@@ -192,13 +197,23 @@ class LocalRunner(Runner):
         self.pass_env = (*BASE_PASS_ENV, *pass_env)
         passed_env({}, self.pass_env)  # ValueError for a bad name, before anything runs
         # a forked run's /proc/self/environ is the forkserver's: start it with the allow-listed variables only
-        self.launcher = Launcher(self.command, preload, env=passed_env(dict(os.environ), self.pass_env))
+        self.user = harness_user(run_as) if run_as is not None else None
+        if self.user is not None:
+            check_user_runs(self.user, self.command, self.cwd)
+        self.launcher = Launcher(self.command, preload, env=self._own(passed_env(dict(os.environ), self.pass_env)),
+                                 user=self.user)
         self._sem = asyncio.Semaphore(concurrency)
         # (rollout id, attempt id) → a process with ``pid`` (its process group): an attempt's own, never its retry's
         self._procs: dict[tuple[str, str], object] = {}
         self._interrupted: set[tuple[str, str]] = set()  # attempts whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+
+    def _own(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the run-as user's ``HOME``, ``USER`` and ``LOGNAME`` (as it is without ``run_as``)."""
+        if self.user is None:
+            return env
+        return {**env, "HOME": self.user.home, "USER": self.user.name, "LOGNAME": self.user.name}
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Take queued rollouts until ``stop`` is set; then kill running groups and hand their rollouts back.
@@ -308,7 +323,7 @@ class LocalRunner(Runner):
         if rollout is None:
             return None
         aid = rollout.attempt_id
-        env = {**passed_env(dict(os.environ), self.pass_env), **self.extra_env,
+        env = {**self._own(passed_env(dict(os.environ), self.pass_env)), **self.extra_env,
                **harness_env(self.gateway_url, rollout, self.model, self.key)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / log_name(rollout_id, aid)

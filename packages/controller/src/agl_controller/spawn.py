@@ -19,16 +19,73 @@ import contextlib
 import atexit
 import multiprocessing
 import os
+import pkgutil  # noqa: F401 (runpy.run_path imports it at each call: a run as another user may not reach the stdlib)
 import runpy
 import shutil
 import signal
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 
 class LaunchError(OSError):
     """The harness could not be started (bad command, missing script, interpreter mismatch)."""
+
+
+@dataclass(frozen=True)
+class HarnessUser:
+    """The Unix user every harness run becomes (``agl-controller run --run-as``): its ids and home directory."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+def harness_user(name: str) -> HarnessUser:
+    """The user ``name`` (a name or a numeric uid) as a :class:`HarnessUser`.
+
+    Raises :class:`LaunchError` if no such user exists, or if this process cannot become it (switching users needs
+    root or ``CAP_SETUID``/``CAP_SETGID``; a user other than this process's own is refused otherwise, before any run
+    fails ``spawn_error`` for it)."""
+    import pwd
+
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, ValueError, OverflowError):
+        raise LaunchError(f"run-as: no user {name!r} on this machine") from None
+    if entry.pw_uid != os.geteuid() and os.geteuid() != 0:
+        raise LaunchError(f"run-as: this controller (uid {os.geteuid()}) cannot start processes as {entry.pw_name!r}: "
+                          "switching users needs root")
+    if entry.pw_uid == 0:
+        raise LaunchError("run-as: root is not another user (a harness run as root reads every process's memory)")
+    return HarnessUser(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def check_user_runs(user: HarnessUser, command: list[str], cwd: str) -> None:
+    """Check that ``user`` can enter ``cwd`` and execute ``command``'s program (found on ``PATH`` as the runs find
+    it), by asking a shell run as that user. Raises :class:`LaunchError` naming what it cannot reach: an interpreter
+    under ``/root`` (pyenv, a venv made from it) failed every run ``spawn_error`` (exec) or at its first import of
+    the standard library (preload)."""
+    import subprocess
+
+    exe = shutil.which(command[0]) or command[0]
+    probe = subprocess.run(["/bin/sh", "-c", 'cd "$1" || exit 3; test -x "$2" || exit 4', "sh", cwd, exe],
+                           user=user.uid, group=user.gid, extra_groups=[], capture_output=True, timeout=30,
+                           env={"PATH": "/usr/bin:/bin"})
+    if probe.returncode == 3:
+        raise LaunchError(f"run-as: {user.name} cannot enter the runs' working directory {cwd}")
+    if probe.returncode != 0:
+        raise LaunchError(f"run-as: {user.name} cannot execute {exe} (a directory on its path is closed to it: "
+                          "use an interpreter and files that user can reach)")
+
+
+def _become(user: HarnessUser) -> None:
+    """In a forked child, before it runs anything of the harness: drop to ``user`` (groups, then gid, then uid)."""
+    os.setgroups([])
+    os.setgid(user.gid)
+    os.setuid(user.uid)
 
 
 class ExecProcess:
@@ -66,13 +123,17 @@ class ForkedProcess:
         return code if code is not None else -signal.SIGKILL
 
 
-def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str) -> None:
-    """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``)."""
+def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str,
+                user: HarnessUser | None = None) -> None:
+    """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``), as ``user``
+    if set (after its log is open)."""
     os.setsid()  # its own process group, like exec mode: the runner kills the group
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if user is not None:
+        _become(user)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -226,8 +287,10 @@ class Launcher:
     ``PYTHON -m MODULE ...`` run by this controller's own interpreter (the forkserver is this interpreter).
     """
 
-    def __init__(self, command: list[str], preload: list[str] | None = None, env: dict[str, str] | None = None):
+    def __init__(self, command: list[str], preload: list[str] | None = None, env: dict[str, str] | None = None,
+                 user: HarnessUser | None = None):
         self.command = list(command)
+        self.user = user
         self.preload = [m for m in (preload or []) if m]
         self._ctx = None
         check_command(self.command, self.preload)
@@ -258,13 +321,15 @@ class Launcher:
             with open(log_path, "wb") as logf:
                 proc = await asyncio.create_subprocess_exec(
                     *self.command, env=env, stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
-                    cwd=cwd, start_new_session=True)
+                    cwd=cwd, start_new_session=True,
+                    **({"user": self.user.uid, "group": self.user.gid, "extra_groups": []} if self.user else {}))
             return ExecProcess(proc)
         if self.command[1] != "-m":
             script = Path(cwd or ".") / self.command[1]
             if not script.is_file():
                 raise FileNotFoundError(f"harness script {script} not found")
-        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path)), daemon=False)
+        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path), self.user),
+                                 daemon=False)
         if self._env is not None:
             # a forkserver that died (killed by a harness, the OOM killer) is started again by the next
             # ``proc.start()`` from this process's whole environment: start it here, with ``env`` only, first

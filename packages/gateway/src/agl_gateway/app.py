@@ -126,7 +126,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_s, sock_connect=10.0),
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0), auto_decompress=True,
-            cookie_jar=aiohttp.DummyCookieJar())
+            cookie_jar=aiohttp.DummyCookieJar(),
+            headers={"Authorization": f"Bearer {settings.upstream_key}"} if settings.upstream_key else None)
         metrics = Metrics()
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set, max_held_per_attempt=settings.max_in_flight_per_attempt)

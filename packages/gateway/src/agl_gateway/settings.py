@@ -32,6 +32,9 @@ class GatewaySettings(CommonSettings):
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
+    upstream_key: str | None = Field(default=None, min_length=1, pattern=r"^[!-~]+$", description=(
+        "the engine's API key, sent as `Authorization: Bearer` on every engine request (environment only: a "
+        "command line is public)"))
     upstream_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description=(
         "seconds one engine call may take (0, negative or NaN would mean none: a hung engine held its calls, "
         "and every drain, for ever)"))

@@ -143,6 +143,10 @@ class TrainConfig(_NoBooleanNumbers):
     harness_env: list[str] = Field([], description="names (or globs like MY_*) of variables of the trainer's "
                                    "environment each harness run gets (agl-controller --pass-env); without them a "
                                    "run gets only PATH, HOME, locale and the like, plus the contract's variables")
+    harness_user: str | None = Field(None, min_length=1, description="a Unix user (name or uid) every harness run "
+                                     "becomes (agl-controller --run-as; needs a trainer run as root): it then reads "
+                                     "neither the trainer's memory nor the engine's key nor its files "
+                                     "(docs/controller.md, harnesses you do not trust)")
     task_file: str = Field("examples/arithmetic/task.py", description="Python file with the task functions")
     train_fn: str = "train_problems"
     heldout_fn: str = "heldout_problems"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
-from agl_common.settings import engine_base_urls, redacted_url
+from agl_common.settings import engine_base_urls, engine_headers, redacted_url
 from agl_common.store import Store
 
 from . import compute
@@ -37,7 +37,7 @@ async def check_engine(engine_url: str, serving: str) -> None:
     after minutes of training. A ``GET`` answers 405 where the ``POST`` route exists and 404 where it does not.
     Raises :class:`EngineError` naming the missing route and what serves it, or an engine that cannot be reached."""
     routes, needs = SWAP_ROUTES[serving]
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             for route in routes:
                 try:
@@ -59,7 +59,7 @@ async def load_adapter(engine_url: str, name: str, path: Path) -> None:
 
     ``engine_url`` may be comma-separated. Raises :class:`EngineError` unless each engine answers 200.
     """
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             resp = await http.post(url + "/v1/load_lora_adapter",
                                    json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
@@ -72,7 +72,7 @@ async def reload_weights(engine_url: str, path: Path) -> None:
     (KV computed by the old weights must not be reused): vLLM's ``reload_weights`` through
     ``POST /collective_rpc`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``). The served model
     name stays. Raises :class:`EngineError` unless each engine answers 200."""
-    async with httpx.AsyncClient(timeout=600) as http:
+    async with httpx.AsyncClient(timeout=600, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             resp = await http.post(url + "/collective_rpc",
                                    json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
@@ -85,7 +85,7 @@ async def reload_weights(engine_url: str, path: Path) -> None:
 
 async def unload_adapter(engine_url: str, name: str) -> None:
     """``POST {engine}/v1/unload_lora_adapter`` on every engine; an adapter already gone is not an error."""
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             resp = await http.post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
             if resp.status_code not in (200, 404, 400):

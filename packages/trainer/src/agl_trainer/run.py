@@ -73,7 +73,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         asyncio.run(backend.serve(state["version"] if state else 0))
         gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
         console.print(f"engine {redacted_urls(engine)}, gateway {redacted_url(gateway)}, "
-                      f"redis {redacted_url(redis_url)}, run {run_dir}")
+                      f"redis {redacted_url(redis_url)}"
+                      f"{' (started for this run; its URL: logs/redis.url)' if 'redis' in svc.procs else ''}, "
+                      f"run {run_dir}")
         vocab = load_vocabulary(base)  # merge-break classes, end-of-turn ids, the bound on ids: once per run
         try:
             return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab, lease))

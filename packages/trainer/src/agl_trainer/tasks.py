@@ -115,7 +115,8 @@ def check_controller_imports(cfg: TrainConfig) -> None:
     """Before any service starts: the modules the controller will import, ``cfg.reward_fn``'s and each of
     ``cfg.preload``, can be found by this interpreter from this directory (the controller is started with this
     interpreter, here; with the verl backend it runs in verl's own environment, so this check is not made), and
-    ``cfg.command`` starts as the controller would start it (:func:`agl_controller.spawn.check_command`).
+    ``cfg.command`` starts as the controller would start it (:func:`agl_controller.spawn.check_command`), and
+    ``cfg.harness_user`` is a user the controller can become (:func:`agl_controller.spawn.harness_user`).
     Raises :class:`TaskError` naming the field and the module or the command's fault."""
     import importlib.util
     import os
@@ -137,7 +138,7 @@ def check_controller_imports(cfg: TrainConfig) -> None:
     # the command as the controller will start it (its `python` is this interpreter): a misspelt program, or one
     # --preload cannot fork (`bash run.sh`, `python -u`), failed only once vLLM had started
     from agl_common.settings import command_argv
-    from agl_controller.spawn import LaunchError, check_command
+    from agl_controller.spawn import LaunchError, check_command, check_user_runs, harness_user
 
     from .stack import harness_command
 
@@ -145,3 +146,9 @@ def check_controller_imports(cfg: TrainConfig) -> None:
         check_command(command_argv(harness_command(cfg.command, sys.executable)), cfg.preload, found=True)
     except (LaunchError, ValueError) as exc:
         raise TaskError(f"command: {exc}") from None
+    if cfg.harness_user is not None:
+        try:
+            check_user_runs(harness_user(cfg.harness_user),
+                            command_argv(harness_command(cfg.command, sys.executable)), os.getcwd())
+        except LaunchError as exc:
+            raise TaskError(f"harness_user: {str(exc).removeprefix('run-as: ')}") from None
