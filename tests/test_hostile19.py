@@ -205,3 +205,35 @@ def test_run_as_a_user_who_cannot_reach_the_program_is_refused_at_start(tmp_path
     check_user_runs(nobody, ["/bin/sh", "-c", "true"], "/")
     with pytest.raises(LaunchError, match="cannot execute"):
         LocalRunner(None, "http://127.0.0.1:1", [str(prog)], "m", log_dir=tmp_path / "logs", run_as="nobody", cwd="/")
+
+
+def test_a_task_function_is_called_once_and_is_correct_before_anything_starts(tmp_path):
+    """(Left open by round 18.) The task functions were called twice — the check at start, then the run — so one
+    that draws at random was checked on another sample than it trained on; ``is_correct`` was loaded but never
+    called until the first evaluation, after vLLM had started: one that fails on every input cost minutes. Now each
+    function is called once per process, and ``is_correct`` is called on one input with rewards 0 and 1 at start
+    (one line, exit 2)."""
+    from agl_trainer.tasks import load_tasks
+
+    count = tmp_path / "count"
+    task = tmp_path / "task.py"
+    task.write_text(f"""import random
+def train_problems():
+    with open({str(count)!r}, "a") as f:
+        f.write("x")
+    return [{{"q": random.random()}} for _ in range(3)]
+def heldout_problems():
+    return [{{"q": 1}}]
+def is_correct(inp, reward):
+    return inp["answer"] == reward
+""")
+    first, second = load_tasks(task, "train_problems"), load_tasks(task, "train_problems")
+    assert first == second and first is not second and count.read_text() == "x"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"task_file: {task}\nsteps: 1\n")
+    run = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    out = run.stdout + run.stderr
+    assert "is_correct(input, 0.0) failed on the first input: KeyError: 'answer'" in out, out[-2000:]
+    assert "starting vLLM" not in out and "Traceback" not in out

@@ -48,9 +48,15 @@ def _task_function(module, task_file: str | Path, fn: str) -> Callable:
 MAX_TASKS = 1_000_000
 
 
+#: (task file, its size and mtime, function) → the inputs the function gave: called once per process, so the check
+#: at start and the run see the same inputs (a function that draws at random was checked on another sample).
+_GIVEN: dict[tuple, list[dict]] = {}
+
+
 def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
     """Call ``fn()`` from the Python file ``task_file``; it returns the task inputs (JSON objects: each becomes a
-    rollout's input).
+    rollout's input). Called once per process for one file (as it is on disk) and function: later calls return a
+    new list of the same inputs.
 
     Raises :class:`TaskError` if the file is missing or fails to import, has no function ``fn``, if ``fn()``
     raises (or calls ``sys.exit``), gives more than :data:`MAX_TASKS` items (an endless generator would fill
@@ -59,6 +65,13 @@ def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
     from agl_common.schemas import Rollout, long_integer
     from pydantic_core import PydanticSerializationError
 
+    try:
+        st = Path(task_file).stat()
+        key = (str(Path(task_file).resolve()), st.st_size, st.st_mtime_ns, fn)
+    except OSError:  # (missing: _task_module says so)
+        key = None
+    if key in _GIVEN:
+        return list(_GIVEN[key])
     f = _task_function(_task_module(task_file), task_file, fn)
     try:
         tasks = list(itertools.islice(f(), MAX_TASKS + 1))
@@ -80,7 +93,9 @@ def load_tasks(task_file: str | Path, fn: str) -> list[dict]:
                 raise ValueError("it holds NaN or infinity, which JSON cannot (it would be stored as null)") from None
         except (TypeError, ValueError, PydanticSerializationError) as exc:
             raise TaskError(f"task file {task_file}: {fn}() item {i} is not a JSON object: {exc}") from None
-    return tasks
+    if key is not None:
+        _GIVEN[key] = tasks
+    return list(tasks)
 
 
 def default_is_correct(task: dict, reward: float | None) -> bool:
@@ -103,12 +118,24 @@ def check_task(cfg: TrainConfig, train: bool = True) -> None:
     needs none), ``cfg.heldout_fn`` and ``cfg.correct_fn`` (unless that is the default ``is_correct`` and
     absent); the input functions are called and their inputs checked (:func:`load_tasks`: broken data was found
     only once the engine had started), the training inputs (or, for an evaluation, the held-out ones) not
-    empty. Raises :class:`TaskError`."""
-    if train and not load_tasks(cfg.task_file, cfg.train_fn):
+    empty; ``cfg.correct_fn`` is called on one input with the rewards 0 and 1 (its answer must be a truth value).
+    Raises :class:`TaskError`."""
+    train_inputs = load_tasks(cfg.task_file, cfg.train_fn) if train else []
+    if train and not train_inputs:
         raise TaskError(f"task file {cfg.task_file}: {cfg.train_fn}() returned no inputs")
-    if not load_tasks(cfg.task_file, cfg.heldout_fn) and not train:
+    heldout = load_tasks(cfg.task_file, cfg.heldout_fn)
+    if not heldout and not train:
         raise TaskError(f"task file {cfg.task_file}: {cfg.heldout_fn}() returned no inputs (nothing to evaluate)")
-    load_is_correct(cfg.task_file, cfg.correct_fn)
+    is_correct = load_is_correct(cfg.task_file, cfg.correct_fn)
+    from agl_common.schemas import Rollout
+
+    sample = Rollout(rollout_id="check", input=(heldout or train_inputs)[0]).model_dump(mode="json")["input"]
+    for reward in (0.0, 1.0):  # on one input: a judge that fails on every input fails here, not after vLLM started
+        try:
+            bool(is_correct(sample, reward))  # (the input as a rollout holds it)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function, reported as theirs
+            raise TaskError(f"task file {cfg.task_file}: {cfg.correct_fn}(input, {reward}) failed on the first "
+                            f"input: {type(exc).__name__}: {exc}") from None
 
 
 def check_controller_imports(cfg: TrainConfig) -> None:
