@@ -424,6 +424,30 @@ def chat_to_responses(answer: dict[str, Any], body: dict[str, Any]) -> dict[str,
     out["store"] = False  # (LiteLLM echoed the agent's ``store: true``: this gateway stores no response)
     if isinstance(out.get("output"), list):
         out["output"] = [_openai_item(item) for item in out["output"]]
+    if isinstance(out.get("usage"), dict):
+        out["usage"] = _openai_usage(out["usage"], answer.get("usage"))
+    return out
+
+
+def _openai_usage(usage: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """A Responses ``usage`` with the two detail objects OpenAI's ``ResponseUsage`` requires (LiteLLM left them
+    ``null``: a client that parses strictly, as Codex does, refused the whole answer): ``cached_tokens``,
+    ``cache_write_tokens`` and ``reasoning_tokens`` are the engine's own counts (``prompt_tokens_details`` / ``completion_tokens_details``) where
+    it gives them, else 0 (vLLM reports none unless asked)."""
+    engine = engine if isinstance(engine, dict) else {}
+
+    def count(details: Any, name: str) -> int:
+        value = details.get(name) if isinstance(details, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+    out = dict(usage)
+    if not isinstance(out.get("input_tokens_details"), dict):
+        prompt = engine.get("prompt_tokens_details")
+        out["input_tokens_details"] = {"cached_tokens": count(prompt, "cached_tokens"),
+                                       "cache_write_tokens": count(prompt, "cache_write_tokens")}
+    if not isinstance(out.get("output_tokens_details"), dict):
+        out["output_tokens_details"] = {
+            "reasoning_tokens": count(engine.get("completion_tokens_details"), "reasoning_tokens")}
     return out
 
 
