@@ -85,7 +85,8 @@ def test_eval_starts_its_controller_with_preload(monkeypatch, tmp_path):
         seen["preload"] = args[9] if len(args) > 9 else kwargs.get("preload")
         raise Started
 
-    monkeypatch.setattr(Services, "ensure_redis", lambda self, url: url or "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr(Services, "ensure_redis",
+                        lambda self, url, harness_user=None: url or "redis://127.0.0.1:6379/0")
     monkeypatch.setattr(Services, "start_gateway", lambda self, *a, **k: "http://127.0.0.1:9")
     monkeypatch.setattr(Services, "start_controller", start_controller)
     monkeypatch.setattr(stack, "start_engine", lambda *a, **k: ("http://127.0.0.1:9/v1", None))

@@ -661,7 +661,7 @@ def test_a_refused_trainer_touches_nothing_the_holder_uses(tmp_path, redis_url, 
         def __exit__(self, *a):
             return False
 
-        def ensure_redis(self, url):
+        def ensure_redis(self, url, harness_user=None):
             return url
 
     monkeypatch.setattr(services, "Services", NoServices)

@@ -165,6 +165,9 @@ async def test_a_harness_run_as_another_user_reads_nothing_of_the_controllers(st
         assert (seen["uid"], seen["gid"], seen["groups"]) == (nobody.uid, nobody.gid, [])
         assert (seen["home"], seen["user"]) == (nobody.home, "nobody")
         assert not seen["peer_environ"] and not seen["private_file"], seen
+        assert seen.get("fds", []) == [], seen  # (preload: the forkserver's pipes were inherited; exec: sh's own)
+        (log,) = (shared / "logs").glob("*")
+        assert log.stat().st_mode & 0o777 == 0o600  # another run (the same user) reads no other rollout's log
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
@@ -237,3 +240,79 @@ def is_correct(inp, reward):
     out = run.stdout + run.stderr
     assert "is_correct(input, 0.0) failed on the first input: KeyError: 'answer'" in out, out[-2000:]
     assert "starting vLLM" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("preload", [["json"]], ids=["preload"])
+async def test_a_forked_run_holds_no_descriptor_of_the_forkserver(store, gateway_url, preload, tmp_path):  # noqa: F811
+    """(Found by round 19's prober.) Every forked run held the write ends of the forkserver's alive pipe and of the
+    resource tracker's pipe: one byte into the first killed the forkserver and so every running forked run
+    (``exit_code:255``), a line into the second made the tracker unlink any ``/dev/shm`` entry, and a run's child
+    that left the process group kept both alive past the controller. A forked run now holds nothing above stderr,
+    run as another user or not."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+    runner = LocalRunner(store, gateway_url, [sys.executable, str(HARNESSES / "whoami.py")], "m", key="k3y",
+                         log_dir=tmp_path / "logs", preload=preload, cwd=str(ROOT))
+    probe = tmp_path / "probe.json"
+    await store.create_rollout(Rollout(rollout_id="f", input={"probe_out": str(probe), "peer": os.getpid(),
+                                                              "private_file": "/nonexistent"}))
+    await runner.run_one(await store.pop_queued())
+    assert (await store.get_rollout("f")).failure == "no_model_calls"
+    assert json.loads(probe.read_text())["fds"] == []
+
+
+def test_the_gateway_refuses_two_ways_of_authenticating_to_the_engine():
+    """(Found by round 19's prober.) ``--upstream http://user:pw@host`` with ``AGL_UPSTREAM_KEY`` set made aiohttp
+    refuse every engine request (500 ``internal_error``, a traceback); refused at start now."""
+    from agl_gateway.settings import GatewaySettings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="two ways of authenticating"):
+        GatewaySettings(upstream="http://127.0.0.1:1/v1,http://u:pw@127.0.0.1:2/v1", upstream_key="k")
+    assert GatewaySettings(upstream="http://u:pw@127.0.0.1:2/v1").upstream_key is None
+
+
+@as_root
+def test_run_as_refuses_a_harness_script_its_user_cannot_read(tmp_path):
+    """(Found by round 19's prober.) A script of mode 0600 passed the check at start, and every run then failed as
+    the agent's own ``exit_code:2`` (never retried)."""
+    from agl_controller.spawn import check_user_runs
+
+    opened = Path(tempfile.mkdtemp(prefix="agl-run-as-"))
+    try:
+        opened.chmod(0o755)
+        script = opened / "harness.py"
+        script.write_text("print('hi')\n")
+        script.chmod(0o600)
+        with pytest.raises(LaunchError, match="cannot read the harness script"):
+            check_user_runs(harness_user("nobody"), ["/usr/bin/python3", str(script)], "/")
+        script.chmod(0o644)
+        check_user_runs(harness_user("nobody"), ["/usr/bin/python3", str(script)], "/")
+    finally:
+        shutil.rmtree(opened, ignore_errors=True)
+
+
+@as_root
+def test_a_redis_port_squatted_by_the_harness_user_is_refused(tmp_path):
+    """(Found by round 19's prober.) A process of the harness user (a run's child that left its process group)
+    listening on ``redis_url``'s port once that Redis was gone was taken as "a Redis already answers": the next run
+    stored everything in it, and sent it the Redis password. With ``harness_user`` such a listener is refused."""
+    from agl_trainer.services import ServiceError, Services, free_port
+
+    port = free_port()
+    squat = subprocess.Popen(["/usr/bin/python3", "-c", f"""import socket, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", {port}))
+s.listen(); print("ready", flush=True)
+while True:
+    c, _ = s.accept(); c.recv(1024); c.sendall(b"+PONG\\r\\n"); time.sleep(0.1); c.close()
+"""], user="nobody", stdout=subprocess.PIPE, text=True)
+    try:
+        assert squat.stdout.readline().strip() == "ready"
+        with Services(tmp_path) as svc:
+            with pytest.raises(ServiceError, match="listened on by a process of harness_user 'nobody'"):
+                svc.ensure_redis(f"redis://127.0.0.1:{port}/0", "nobody")
+            assert "redis" not in svc.procs
+    finally:
+        squat.kill()
+        squat.wait()

@@ -71,11 +71,18 @@ def check_user_runs(user: HarnessUser, command: list[str], cwd: str) -> None:
     import subprocess
 
     exe = shutil.which(command[0]) or command[0]
-    probe = subprocess.run(["/bin/sh", "-c", 'cd "$1" || exit 3; test -x "$2" || exit 4', "sh", cwd, exe],
+    # a Python script (``python x.py``; not ``-m``/``-c``) must be readable too: unreadable, every run failed as the
+    # agent's own exit code 2, never retried
+    script = command[1] if Path(exe).name.startswith("python") and len(command) > 1 \
+        and not command[1].startswith("-") else ""
+    probe = subprocess.run(["/bin/sh", "-c", 'cd "$1" || exit 3; test -x "$2" || exit 4; '
+                            'test -z "$3" || test -r "$3" || exit 5', "sh", cwd, exe, script],
                            user=user.uid, group=user.gid, extra_groups=[], capture_output=True, timeout=30,
                            env={"PATH": "/usr/bin:/bin"})
     if probe.returncode == 3:
         raise LaunchError(f"run-as: {user.name} cannot enter the runs' working directory {cwd}")
+    if probe.returncode == 5:
+        raise LaunchError(f"run-as: {user.name} cannot read the harness script {script}")
     if probe.returncode != 0:
         raise LaunchError(f"run-as: {user.name} cannot execute {exe} (a directory on its path is closed to it: "
                           "use an interpreter and files that user can reach)")
@@ -123,12 +130,26 @@ class ForkedProcess:
         return code if code is not None else -signal.SIGKILL
 
 
+def _drop_inherited_fds() -> None:
+    """In the forked child: close every descriptor above stderr. The forkserver hands each child the write ends of
+    its own alive pipe and of the resource tracker's pipe (``forkserver._serve_one``): one byte from a harness
+    into the first killed the forkserver, and with it every running forked run (each ended ``exit_code:255``);
+    a line into the second made the (controller's) tracker unlink any ``/dev/shm`` entry at exit; and a child
+    that left the process group kept both alive past the controller (round 19). Their module references are
+    cleared too, so nothing in this child writes to a number that now names another file."""
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver._forkserver._forkserver_alive_fd = None
+    resource_tracker._resource_tracker._fd = None
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 3 else 1 << 16)
+
+
 def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str,
                 user: HarnessUser | None = None) -> None:
     """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``), as ``user``
     if set (after its log is open)."""
     os.setsid()  # its own process group, like exec mode: the runner kills the group
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -137,6 +158,7 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    _drop_inherited_fds()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
@@ -173,7 +195,7 @@ def create_log(log_path: Path) -> int:
     the file the run writes, even if the run unlinks or replaces the path. Raises ``OSError``."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(log_path)
-    return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
 
 def _forkserver_alive() -> bool:

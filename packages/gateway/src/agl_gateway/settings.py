@@ -7,7 +7,7 @@ import socket
 
 from agl_common.settings import CommonSettings, check_bind_host, engine_base_urls
 from agl_common.store import CALLS_PER_ATTEMPT_MAX, RECORD_BYTES_PER_ATTEMPT_MAX
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 
 class GatewaySettings(CommonSettings):
@@ -75,6 +75,18 @@ class GatewaySettings(CommonSettings):
         if v is not None and not (v and v.isascii() and v.isprintable() and v.strip() == v):
             raise ValueError("the admin key must be non-empty printable ASCII without surrounding spaces")
         return v
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> "GatewaySettings":
+        """An engine URL with credentials (``http://user:pw@host``) and ``upstream_key`` cannot both be sent (aiohttp
+        refused every engine request: 500s); refused at start."""
+        from urllib.parse import urlsplit
+
+        if self.upstream_key and any(urlsplit(u).username is not None or urlsplit(u).password is not None
+                                     for u in engine_base_urls(self.upstream)):
+            raise ValueError("upstream_key (AGL_UPSTREAM_KEY) and an upstream URL with credentials (user:password@) "
+                             "are two ways of authenticating to the engine: give one")
+        return self
 
     @property
     def upstreams_v1(self) -> list[str]:

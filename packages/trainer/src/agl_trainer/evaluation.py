@@ -229,7 +229,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
     eval_dir.mkdir(parents=True, exist_ok=True)
     (eval_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     with Services(eval_dir / "logs") as svc:
-        redis_url = svc.ensure_redis(cfg.redis_url)
+        redis_url = svc.ensure_redis(cfg.redis_url, cfg.harness_user)
         # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
         engine, _ = start_engine(svc, cfg, console, lora=bool(policy.adapters), need_base=False)
         start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")

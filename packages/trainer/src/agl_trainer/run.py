@@ -59,8 +59,8 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                   f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
     console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
                   f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
-    with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url), cfg.prefix,
-                                                         run_dir.name) as lease:
+    with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url, cfg.harness_user),
+                                                         cfg.prefix, run_dir.name) as lease:
         # the prefix is this trainer's from here on: nothing another trainer uses was touched before (the engine's
         # weights, the gateway, the controller, a live run's config.json on a second --resume of it)
         redis_url = lease.redis_url

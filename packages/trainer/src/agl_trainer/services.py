@@ -86,6 +86,30 @@ def redis_answers(url: str) -> bool:
         return False
 
 
+def _listened_by(parts, user: str) -> bool:
+    """Whether a TCP socket listening on ``parts``' loopback port (``/proc/net/tcp``, ``tcp6``) belongs to ``user``
+    (a name or uid). False for a host that is not this machine's loopback, or where ``/proc`` cannot say."""
+    import pwd
+
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return False
+    try:
+        uid = pwd.getpwuid(int(user)).pw_uid if user.isdigit() else pwd.getpwnam(user).pw_uid
+    except (KeyError, ValueError, OverflowError):
+        return False
+    port = f"{parts.port or 6379:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()  # sl local_address rem_address st tx:rx tr:tm retrnsmt uid ...
+            if len(f) > 7 and f[3] == "0A" and f[1].rpartition(":")[2] == port and f[7] == str(uid):
+                return True
+    return False
+
+
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path``, readable and writable by this user only (mode 0600 from its creation)."""
     path.unlink(missing_ok=True)
@@ -169,12 +193,20 @@ class Services:
             self.stop(name)
 
     # ------------------------------------------------------------------ the services
-    def ensure_redis(self, url: str) -> str:
+    def ensure_redis(self, url: str, harness_user: str | None = None) -> str:
         """Use the Redis at ``url`` if it answers, else start ``redis-server`` on its port (no persistence) and return
         its URL, which then holds a password of its own (``url``'s, else a fresh one): a process of another user on
         this machine (a harness run as ``harness_user``) cannot write what the run records. The password is in a
         configuration file readable by this user only, never on a command line (``ps``); the URL with it is
-        ``LOG_DIR/redis.url`` (mode 0600) for the dashboard and the CLIs. Raises :class:`ServiceError`."""
+        ``LOG_DIR/redis.url`` (mode 0600) for the dashboard and the CLIs. With ``harness_user`` (the run's
+        ``harness_user``), a loopback port listened on by that user's process is refused: a harness that left its
+        process group could squat the port of a Redis that was gone and own the next run's store (round 19).
+        Raises :class:`ServiceError`."""
+        if harness_user is not None:
+            squatter = _listened_by(urlparse(url), harness_user)
+            if squatter:
+                raise ServiceError(f"the port of {redacted_url(url)} is listened on by a process of harness_user "
+                                   f"{harness_user!r}: a harness's, not a Redis of yours")
         if redis_answers(url):
             return url
         exe = shutil.which("redis-server")

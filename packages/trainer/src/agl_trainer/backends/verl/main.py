@@ -101,7 +101,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
             if not cpu:  # verl's vLLM servers answer to the name they were started with
                 backend.model_name = backend._served_model(f"http://{addresses[0]}")
             cfg_run = cfg.model_copy(update={"model_name": backend.model_name})
-            redis_url = svc.ensure_redis(cfg.redis_url)
+            redis_url = svc.ensure_redis(cfg.redis_url, cfg.harness_user)
             lease = TrainerLease(redis_url, cfg.prefix, run_dir.name)
             lease.take()  # (before the gateway and controller: TrainerLive if another trainer holds the prefix)
             try:
