@@ -270,7 +270,7 @@ def test_the_gateway_refuses_two_ways_of_authenticating_to_the_engine():
 
     with pytest.raises(ValidationError, match="two ways of authenticating"):
         GatewaySettings(upstream="http://127.0.0.1:1/v1,http://u:pw@127.0.0.1:2/v1", upstream_key="k")
-    assert GatewaySettings(upstream="http://u:pw@127.0.0.1:2/v1").upstream_key is None
+    assert GatewaySettings(upstream="http://u:pw@127.0.0.1:2/v1", upstream_key=None).upstream_key is None
 
 
 @as_root
