@@ -111,6 +111,9 @@ async def test_full_path_and_one_training_step(stack, store, base_model, tmp_pat
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3
     models = httpx.get(f"{engine}/v1/models", headers=engine_headers()).json()["data"]
     assert "policy-v1" in [m["id"] for m in models]
+    if not os.environ.get("AGL_TEST_ENGINE_URL"):  # the engine the session started asks for its key on every route
+        for route in ("/v1/models", "/collective_rpc", "/reset_prefix_cache", "/sleep", "/v1/load_lora_adapter"):
+            assert httpx.post(f"{engine}{route}", json={}).status_code == 401, route
     await asyncio.to_thread(chat, f"{gw}/rollouts/probe/attempts/0/v1/chat/completions")
     rec2 = (await store.read_calls("probe"))[-1]
     assert rec2.model == "policy-v1" and rec2.model_version == 1
