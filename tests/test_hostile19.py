@@ -316,3 +316,17 @@ while True:
     finally:
         squat.kill()
         squat.wait()
+
+
+def test_the_controller_command_run_in_process_leaves_the_callers_engine_key(monkeypatch):
+    """The controller's command dropped every never-passed name from its environment once its options were read —
+    the engine key too, which it never reads: run in-process (a test's ``CliRunner``), it took the session engine's key
+    from the caller, and every later gateway the tests started was refused by the engine (401). The engine key is
+    dropped by the entry point (``main``) of a controller process instead."""
+    from agl_controller.cli import app
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", "keep-me")
+    result = CliRunner().invoke(app, ["run", "--mode", "local", "--command", "true", "--retry-on", "bogus"])
+    assert result.exit_code == 2, result.output
+    assert os.environ.get("AGL_UPSTREAM_KEY") == "keep-me"

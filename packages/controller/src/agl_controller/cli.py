@@ -56,6 +56,12 @@ def check_gateway_key(gateway: str, key: str | None) -> None:
                          "AGL_KEY is not the gateway's admin key, and every run's calls would be refused")
 
 
+#: Secrets this command reads as options (``--key``, ``--redis``), dropped from its environment once read; the other
+#: names of :data:`NEVER_PASSED` (the engine's key, which no controller reads) are dropped by :func:`main` before
+#: parsing, so that a command run in-process (the tests) leaves the engine key its caller holds.
+OPTION_SECRETS = ("AGL_KEY", "AGL_REDIS_URL")
+
+
 #: the options only one mode reads (parameter name → mode); the other mode would ignore them
 MODE_ONLY = {"command": "local", "preload": "local", "pass_env": "local", "log_dir": "local",
              "max_log_bytes": "local", "run_as": "local", "template": "k8s", "namespace": "k8s",
@@ -148,7 +154,7 @@ def run(
     # the admin key and the Redis URL (with its password) live on in this process's memory only (read into the
     # options above): no child (a harness, a forkserver started again, a process a reward or preload module starts
     # when it is imported by the checks below) inherits them from the environment
-    for name in NEVER_PASSED:
+    for name in OPTION_SECRETS:
         os.environ.pop(name, None)
     retry = tuple(r.strip() for r in retry_on.split(",") if r.strip())
     try:  # checked before anything starts: a bad option is a usage error (exit 2), not a traceback
@@ -352,6 +358,8 @@ def main() -> None:
     secrets = argv_secrets(args)
     hide_from_proc(secrets, dumpable=False)  # a harness reads /proc/<pid>/{cmdline,environ}
     scrub_argv(secrets)
+    for name in sorted(NEVER_PASSED - set(OPTION_SECRETS)):  # (never read by this process: see OPTION_SECRETS)
+        os.environ.pop(name, None)
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` and uvicorn: a --reward-fn, --preload
         sys.path.insert(0, os.getcwd())  # or task module in the working directory imports from the console script too
     app(args=args)
