@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,18 @@ from test_gateway import MSG, gateway, make_rollout
 ROOT = Path(__file__).resolve().parents[1]
 HARNESSES = ROOT / "tests" / "harnesses"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching a harness to another user needs root")
+
+
+@contextmanager
+def open_dir(mode: int):
+    """A fresh directory under the system's temporary one (pytest's ``tmp_path`` sits in a 0700 directory that
+    ``nobody`` cannot enter), of ``mode``, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="agl-run-as-"))
+    try:
+        path.chmod(mode)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_the_gateway_sends_the_engines_key_and_never_the_agents(store, redis_url, prefix, monkeypatch):
@@ -138,9 +151,7 @@ async def test_a_harness_run_as_another_user_reads_nothing_of_the_controllers(st
         # this interpreter may be one `nobody` cannot reach (pyenv under /root: then refused at start, tested
         # below); the probe imports nothing more than the forkserver holds, so the drop itself is tried here
         monkeypatch.setattr("agl_controller.local.check_user_runs", lambda *a: None)
-    shared = Path(tempfile.mkdtemp(prefix="agl-run-as-"))
-    try:
-        shared.chmod(0o777)
+    with open_dir(0o777) as shared:
         private = shared / "redis.url"
         private.write_text("redis://:pw@127.0.0.1:1/0\n")
         private.chmod(0o600)
@@ -168,8 +179,6 @@ async def test_a_harness_run_as_another_user_reads_nothing_of_the_controllers(st
         assert seen.get("fds", []) == [], seen  # (preload: the forkserver's pipes were inherited; exec: sh's own)
         (log,) = (shared / "logs").glob("*")
         assert log.stat().st_mode & 0o777 == 0o600  # another run (the same user) reads no other rollout's log
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_harness_user_is_checked_before_anything_starts(tmp_path):
@@ -279,9 +288,7 @@ def test_run_as_refuses_a_harness_script_its_user_cannot_read(tmp_path):
     the agent's own ``exit_code:2`` (never retried)."""
     from agl_controller.spawn import check_user_runs
 
-    opened = Path(tempfile.mkdtemp(prefix="agl-run-as-"))
-    try:
-        opened.chmod(0o755)
+    with open_dir(0o755) as opened:
         script = opened / "harness.py"
         script.write_text("print('hi')\n")
         script.chmod(0o600)
@@ -289,8 +296,6 @@ def test_run_as_refuses_a_harness_script_its_user_cannot_read(tmp_path):
             check_user_runs(harness_user("nobody"), ["/usr/bin/python3", str(script)], "/")
         script.chmod(0o644)
         check_user_runs(harness_user("nobody"), ["/usr/bin/python3", str(script)], "/")
-    finally:
-        shutil.rmtree(opened, ignore_errors=True)
 
 
 @as_root

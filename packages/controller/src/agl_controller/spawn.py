@@ -141,7 +141,8 @@ def _drop_inherited_fds() -> None:
 
     forkserver._forkserver._forkserver_alive_fd = None
     resource_tracker._resource_tracker._fd = None
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 3 else 1 << 16)
+    limit = os.sysconf("SC_OPEN_MAX")  # (-1 where it has none)
+    os.closerange(3, limit if limit > 3 else 1 << 16)
 
 
 def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str,

@@ -86,16 +86,10 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def _listened_by(parts, user: str) -> bool:
-    """Whether a TCP socket listening on ``parts``' loopback port (``/proc/net/tcp``, ``tcp6``) belongs to ``user``
-    (a name or uid). False for a host that is not this machine's loopback, or where ``/proc`` cannot say."""
-    import pwd
-
+def _listened_by(parts, uid: int) -> bool:
+    """Whether a TCP socket listening on ``parts``' loopback port (``/proc/net/tcp``, ``tcp6``) belongs to ``uid``.
+    False for a host that is not this machine's loopback, or where ``/proc`` cannot say."""
     if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return False
-    try:
-        uid = pwd.getpwuid(int(user)).pw_uid if user.isdigit() else pwd.getpwnam(user).pw_uid
-    except (KeyError, ValueError, OverflowError):
         return False
     port = f"{parts.port or 6379:04X}"
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -202,9 +196,16 @@ class Services:
         ``harness_user``), a loopback port listened on by that user's process is refused: a harness that left its
         process group could squat the port of a Redis that was gone and own the next run's store (round 19).
         Raises :class:`ServiceError`."""
+        parts = urlparse(url)
         if harness_user is not None:
-            squatter = _listened_by(urlparse(url), harness_user)
-            if squatter:
+            from agl_controller.spawn import LaunchError
+            from agl_controller.spawn import harness_user as resolve_user
+
+            try:
+                uid = resolve_user(harness_user).uid
+            except LaunchError as exc:
+                raise ServiceError(str(exc)) from None
+            if _listened_by(parts, uid):
                 raise ServiceError(f"the port of {redacted_url(url)} is listened on by a process of harness_user "
                                    f"{harness_user!r}: a harness's, not a Redis of yours")
         if redis_answers(url):
@@ -212,7 +213,6 @@ class Services:
         exe = shutil.which("redis-server")
         if exe is None:
             raise ServiceError(f"no Redis answers at {url} and redis-server is not installed")
-        parts = urlparse(url)
         port = parts.port or 6379
         if parts.password:
             password = unquote(parts.password)
