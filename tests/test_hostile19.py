@@ -160,7 +160,7 @@ async def test_a_harness_run_as_another_user_reads_nothing_of_the_controllers(st
             # (exec: in sh, as this machine's Python may live where that user cannot reach: under /root)
             command = [sys.executable, str(HARNESSES / "whoami.py")] if preload else [str(HARNESSES / "whoami.sh")]
             runner = LocalRunner(store, gateway_url, command, "m", key="k3y", log_dir=shared / "logs",
-                                 preload=preload, run_as="nobody", cwd=str(ROOT))
+                                 preload=preload, run_as="nobody", cwd=str(ROOT), concurrency=1)
             probe = shared / "probe.json"
             await store.create_rollout(Rollout(rollout_id="u", input={
                 "probe_out": str(probe), "peer": peer.pid, "private_file": str(private)}))
@@ -216,7 +216,8 @@ def test_run_as_a_user_who_cannot_reach_the_program_is_refused_at_start(tmp_path
         check_user_runs(nobody, ["/bin/sh"], str(closed))
     check_user_runs(nobody, ["/bin/sh", "-c", "true"], "/")
     with pytest.raises(LaunchError, match="cannot execute"):
-        LocalRunner(None, "http://127.0.0.1:1", [str(prog)], "m", log_dir=tmp_path / "logs", run_as="nobody", cwd="/")
+        LocalRunner(None, "http://127.0.0.1:1", [str(prog)], "m", log_dir=tmp_path / "logs", run_as="nobody", cwd="/",
+                    concurrency=1)
 
 
 def test_a_task_function_is_called_once_and_is_correct_before_anything_starts(tmp_path):

@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutErr
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_controller_id, check_retry_on, load_reward_fn
 from .local import DEFAULT_MAX_LOG_BYTES, NEVER_PASSED
+from .spawn import LaunchError
 
 #: the longest --timeout / --lease-ttl (s): Redis takes a lease in ms, Kubernetes an int32 deadline
 MAX_SECONDS = 10**7
@@ -140,8 +141,10 @@ def run(
                                       "variables each run gets; by default a run gets only PATH, HOME, locale and "
                                       "the like, plus the contract's variables (never AGL_KEY or AGL_REDIS_URL)"),
     run_as: str = typer.Option(None, "--run-as", envvar="AGL_RUN_AS",
-                               help="local: a Unix user (name or uid) every run becomes, so that a harness cannot "
-                                    "read this controller's memory or its user's files; needs root"),
+                               help="local: Unix users the runs become, one per concurrent run (comma-separated "
+                                    "names, uids, and ranges FIRST-LAST of uids without users), so that a harness "
+                                    "reads neither this controller's memory, nor its user's files, nor another run; "
+                                    "every process of a run's user is ended with the run; needs root"),
     dry_run: bool = typer.Option(False, "--dry-run", help="k8s: print the rendered Job manifests and exit"),
     inputs: list[str] = typer.Option(None, "--input", help="k8s --dry-run: a rollout input as JSON (repeatable); "
                                                              "default: the rollouts now queued in Redis"),
@@ -168,7 +171,7 @@ def run(
                 raise ValueError(f"--command: program {argv[0]!r} not found (on PATH, or as a path from "
                                  f"{os.getcwd()}); every run would fail as spawn_error")
             if mode == "local":
-                from .spawn import LaunchError, check_command
+                from .spawn import check_command
 
                 try:
                     check_command(argv, found=True)
@@ -210,7 +213,7 @@ def run(
             typer.echo(f"--log-dir {log_dir}: {exc.strerror or exc}", err=True)
             raise typer.Exit(2) from None
         from .local import passed_env
-        from .spawn import LaunchError, Launcher, check_user_runs, harness_user
+        from .spawn import Launcher, check_user_runs, harness_users
 
         try:
             passed_env({}, _csv(pass_env))
@@ -219,7 +222,8 @@ def run(
             raise typer.Exit(2) from None
         if run_as is not None:
             try:
-                check_user_runs(harness_user(run_as), shlex.split(command), os.getcwd())
+                for user in harness_users(run_as, concurrency):
+                    check_user_runs(user, shlex.split(command), os.getcwd())
             except LaunchError as exc:
                 typer.echo(f"--{exc}", err=True)
                 raise typer.Exit(2) from None
@@ -288,7 +292,8 @@ def run(
 
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Redis out of reach (exit 1) or a live controller under this id (exit 2): one line, not a traceback."""
+    """Redis out of reach (exit 1), a live controller under this id or run-as users in use (exit 2): one line, not a
+    traceback."""
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -296,7 +301,7 @@ def one_line_errors() -> Iterator[None]:
 
         typer.echo(f"error: {redis_error_line(exc)}", err=True)
         raise typer.Exit(1) from None
-    except (ControllerIdLive, NoCluster) as exc:
+    except (ControllerIdLive, NoCluster, LaunchError) as exc:  # (LaunchError: run-as users another controller holds)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 

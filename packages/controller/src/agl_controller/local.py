@@ -43,7 +43,8 @@ from agl_common.settings import check_env_names, redacted_text
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
-from .spawn import Launcher, check_user_runs, create_log, harness_user
+from .spawn import ANONYMOUS_HOME, HarnessUser, Launcher, UserLocks, check_user_runs, create_log, \
+    end_user_processes, harness_users
 
 log = logging.getLogger("agl.controller")
 
@@ -162,11 +163,15 @@ class LocalRunner(Runner):
             group gets SIGKILL) and fails ``log_limit``; its log is then cut to ``max_log_bytes`` and ends with a
             line saying so. The size is checked every :data:`LOG_CHECK_S` seconds: until the stop, the file may
             pass the limit by what the harness writes in that time.
-        run_as: a Unix user (name or uid) every run becomes (``HOME``, ``USER`` and ``LOGNAME`` its own): it then
-            cannot read this controller's memory or files of this user's; needs root (docs/controller.md).
+        run_as: Unix users (comma-separated names, uids and ranges of uids without users ``FIRST-LAST``,
+            :func:`~.spawn.harness_users`), at least ``concurrency`` of them: each run becomes one that no other
+            running run is (``HOME``, ``USER`` and ``LOGNAME`` its own), and every process of that user is killed
+            when the run ends, before the user is given to another run; a run then reads neither this controller's
+            memory, nor files of this user's, nor another run's environment. Needs root (docs/controller.md).
 
     Raises :class:`agl_controller.spawn.LaunchError` if ``preload`` is set for a command it cannot fork, or
-    ``run_as`` names no user or one this process cannot become.
+    ``run_as`` names no user, one this process cannot become or one that cannot reach the command, or fewer users
+    than ``concurrency``.
     """
 
     def __init__(self, store: Store, gateway_url: str, command: list[str] | str, model: str,
@@ -196,12 +201,19 @@ class LocalRunner(Runner):
         self.extra_env = extra_env or {}
         self.pass_env = (*BASE_PASS_ENV, *pass_env)
         passed_env({}, self.pass_env)  # ValueError for a bad name, before anything runs
-        # a forked run's /proc/self/environ is the forkserver's: start it with the allow-listed variables only
-        self.user = harness_user(run_as) if run_as is not None else None
-        if self.user is not None:
-            check_user_runs(self.user, self.command, self.cwd)
-        self.launcher = Launcher(self.command, preload, env=self._own(passed_env(dict(os.environ), self.pass_env)),
-                                 user=self.user)
+        self.users = harness_users(run_as, concurrency) if run_as is not None else []
+        for user in self.users:
+            check_user_runs(user, self.command, self.cwd)
+        self._free_users: asyncio.Queue[HarnessUser] = asyncio.Queue()
+        for user in self.users:
+            self._free_users.put_nowait(user)
+        # a forked run's /proc/self/environ is the forkserver's: start it with the allow-listed variables only (with
+        # run-as users, a neutral HOME and no USER: a run's own are in its os.environ)
+        forkserver_env = passed_env(dict(os.environ), self.pass_env)
+        if self.users:
+            forkserver_env = {k: v for k, v in forkserver_env.items() if k not in ("USER", "LOGNAME")}
+            forkserver_env["HOME"] = ANONYMOUS_HOME
+        self.launcher = Launcher(self.command, preload, env=forkserver_env)
         self._sem = asyncio.Semaphore(concurrency)
         # (rollout id, attempt id) → a process with ``pid`` (its process group): an attempt's own, never its retry's
         self._procs: dict[tuple[str, str], object] = {}
@@ -209,11 +221,24 @@ class LocalRunner(Runner):
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
-    def _own(self, env: dict[str, str]) -> dict[str, str]:
-        """``env`` with the run-as user's ``HOME``, ``USER`` and ``LOGNAME`` (as it is without ``run_as``)."""
-        if self.user is None:
+    @staticmethod
+    def _own(env: dict[str, str], user: HarnessUser | None) -> dict[str, str]:
+        """``env`` with ``user``'s ``HOME``, ``USER`` and ``LOGNAME`` (as it is without one)."""
+        if user is None:
             return env
-        return {**env, "HOME": self.user.home, "USER": self.user.name, "LOGNAME": self.user.name}
+        return {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
+
+    async def _release(self, user: HarnessUser) -> None:
+        """End every process of ``user`` (a run's children that left its process group too), then give the user to
+        the next run; one whose processes outlive that is not used again (logged)."""
+        try:
+            sent = await asyncio.to_thread(end_user_processes, [user.uid])
+        except RuntimeError as exc:
+            log.error("%s: user %s is not used again by this controller", exc, user.name)
+            return
+        if sent:
+            log.info("ended %d process(es) of %s after its run", sent, user.name)
+        self._free_users.put_nowait(user)
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Take queued rollouts until ``stop`` is set; then kill running groups and hand their rollouts back.
@@ -222,6 +247,15 @@ class LocalRunner(Runner):
         reconciles every ``lease_ttl_s`` s.
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        locks = UserLocks(self.users)  # (LaunchError: another controller of this machine uses one of them)
+        try:
+            if self.users:  # what runs of a controller that died left behind
+                await asyncio.to_thread(end_user_processes, [u.uid for u in self.users])
+            await self._run_forever(stop)
+        finally:
+            locks.close()
+
+    async def _run_forever(self, stop: asyncio.Event) -> None:
         if not await self.take_lease(stop):  # stopped while an earlier run's lease lapsed
             return
         lease_stop = asyncio.Event()
@@ -322,8 +356,26 @@ class LocalRunner(Runner):
         rollout = await self.start_attempt(rollout_id)
         if rollout is None:
             return None
+        user = await self._free_users.get() if self.users else None
+        released = False
+
+        async def release() -> None:  # once, and not cut short by a cancellation
+            nonlocal released
+            if user is not None and not released:
+                released = True
+                await asyncio.shield(self._release(user))
+
+        try:
+            return await self._run_attempt(rollout, user, release)
+        finally:
+            await release()
+
+    async def _run_attempt(self, rollout: Rollout, user: HarnessUser | None, release) -> Rollout | None:
+        """:meth:`run_one` once its attempt started, as ``user``; ``release`` ends that user's processes (called as
+        soon as the run has ended, before its outcome is written)."""
+        rollout_id = rollout.rollout_id
         aid = rollout.attempt_id
-        env = {**self._own(passed_env(dict(os.environ), self.pass_env)), **self.extra_env,
+        env = {**self._own(passed_env(dict(os.environ), self.pass_env), user), **self.extra_env,
                **harness_env(self.gateway_url, rollout, self.model, self.key)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / log_name(rollout_id, aid)
@@ -331,12 +383,13 @@ class LocalRunner(Runner):
         log_fd = -1
         try:
             log_fd = create_log(log_path)
-            proc = await self.launcher.start(env, self.cwd, log_path)
+            proc = await self.launcher.start(env, self.cwd, log_path, user)
         except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
             # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
             log.warning("cannot start %s: %s", redacted_text(shlex.join(self.command)), redacted_text(repr(exc)))
             if log_fd >= 0:
                 os.close(log_fd)
+            await release()
             return await self.finish_attempt(rollout_id, aid, "spawn_error", check_calls=False)
         self._procs[rollout_id, aid] = proc
         if self._stopping:  # the stop came while it was being started: shutdown() did not see it
@@ -350,9 +403,10 @@ class LocalRunner(Runner):
         finally:
             os.close(log_fd)
             self._procs.pop((rollout_id, aid), None)
-            # Reap anything the harness left behind in its group.
+            # Reap anything the harness left behind in its group (and, run as a user, anywhere).
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            await release()
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
         if (rollout_id, aid) in self._interrupted:

@@ -24,7 +24,9 @@ import runpy
 import shutil
 import signal
 import sys
+import time
 import traceback
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ class LaunchError(OSError):
 
 @dataclass(frozen=True)
 class HarnessUser:
-    """The Unix user every harness run becomes (``agl-controller run --run-as``): its ids and home directory."""
+    """A Unix user a harness run becomes (``agl-controller run --run-as``): its ids and home directory."""
 
     name: str
     uid: int
@@ -43,24 +45,179 @@ class HarnessUser:
     home: str
 
 
-def harness_user(name: str) -> HarnessUser:
-    """The user ``name`` (a name or a numeric uid) as a :class:`HarnessUser`.
+#: Most users one ``--run-as`` may name (ranges counted whole): each is checked at start and locked while it runs.
+MAX_HARNESS_USERS = 1024
+#: ``HOME`` of a uid that has no entry in the user database (a range's): a directory that does not exist, as for
+#: ``nobody``.
+ANONYMOUS_HOME = "/nonexistent"
 
-    Raises :class:`LaunchError` if no such user exists, or if this process cannot become it (switching users needs
-    root or ``CAP_SETUID``/``CAP_SETGID``; a user other than this process's own is refused otherwise, before any run
-    fails ``spawn_error`` for it)."""
+
+def harness_user(name: str) -> HarnessUser:
+    """The user ``name`` (a name or a numeric uid) as a :class:`HarnessUser`. A numeric uid that names no user is
+    taken as an *anonymous* one: its group is the gid of the same number, which must name no group (a uid of 27 in
+    gid 27 would be in group ``sudo``), and its home is :data:`ANONYMOUS_HOME`.
+
+    Raises :class:`LaunchError` if no such user exists, for root, for a user whose primary group is 0 (root's group:
+    files of the controller's user made group-readable would be the harness's), or if this process cannot become it
+    (switching users needs root or ``CAP_SETUID``/``CAP_SETGID``; a user other than this process's own is refused
+    otherwise, before any run fails ``spawn_error`` for it)."""
+    import grp
     import pwd
 
     try:
         entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        user = HarnessUser(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
     except (KeyError, ValueError, OverflowError):
-        raise LaunchError(f"run-as: no user {name!r} on this machine") from None
-    if entry.pw_uid != os.geteuid() and os.geteuid() != 0:
-        raise LaunchError(f"run-as: this controller (uid {os.geteuid()}) cannot start processes as {entry.pw_name!r}: "
+        if not name.isdigit() or int(name) >= 2**32 - 1:
+            raise LaunchError(f"run-as: no user {name!r} on this machine") from None
+        user = HarnessUser(name, int(name), int(name), ANONYMOUS_HOME)
+        with contextlib.suppress(KeyError):
+            raise LaunchError(f"run-as: uid {name} names no user, and its group, gid {name}, is "
+                              f"{grp.getgrgid(user.gid).gr_name!r}: a uid without a user runs in the group of its "
+                              "own number, which must name no group")
+    if user.uid != os.geteuid() and os.geteuid() != 0:
+        raise LaunchError(f"run-as: this controller (uid {os.geteuid()}) cannot start processes as {user.name!r}: "
                           "switching users needs root")
-    if entry.pw_uid == 0:
+    if user.uid == 0:
         raise LaunchError("run-as: root is not another user (a harness run as root reads every process's memory)")
-    return HarnessUser(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+    if user.gid == 0:
+        raise LaunchError(f"run-as: {user.name!r} has group 0 (root's) as its primary group: give it a group of "
+                          "its own")
+    return user
+
+
+def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser]:
+    """The users of ``spec``: comma-separated names, uids and uid ranges ``FIRST-LAST`` (every uid of a range must
+    name no user: a range is of anonymous uids, see :func:`harness_user`). Each concurrent run becomes a user of its
+    own, taken from these and handed back once every process of it is gone (:func:`end_user_processes`): runs of one
+    user could read each other's ``/proc/<pid>/environ`` (a scoped key) and signal each other, and a process a run
+    left behind reached the next.
+
+    Raises :class:`LaunchError` for a bad item, a user named twice, more than :data:`MAX_HARNESS_USERS`, a user
+    this controller runs as, or fewer users than ``concurrency`` (when given)."""
+    import pwd
+
+    users: list[HarnessUser] = []
+    for item in (part.strip() for part in spec.split(",")):
+        first, dash, last = item.partition("-")
+        if dash and first.isdigit() and last.isdigit():
+            if int(first) > int(last):
+                raise LaunchError(f"run-as: the range {item!r} is empty")
+            if int(last) - int(first) + len(users) >= MAX_HARNESS_USERS:
+                raise LaunchError(f"run-as: at most {MAX_HARNESS_USERS} users")
+            for uid in range(int(first), int(last) + 1):
+                with contextlib.suppress(KeyError):
+                    raise LaunchError(f"run-as: uid {uid} of the range {item} is the user {pwd.getpwuid(uid).pw_name!r}:"
+                                      " a range holds uids that name no user (name users one by one)")
+                users.append(harness_user(str(uid)))
+        elif not item:
+            raise LaunchError(f"run-as: an empty user name in {spec!r}")
+        else:
+            users.append(harness_user(item))
+    if len(users) > MAX_HARNESS_USERS:
+        raise LaunchError(f"run-as: at most {MAX_HARNESS_USERS} users")
+    uids = [u.uid for u in users]
+    if len(set(uids)) < len(uids):
+        raise LaunchError(f"run-as: a user is named twice in {spec!r}")
+    if os.geteuid() in uids:
+        raise LaunchError(f"run-as: uid {os.geteuid()} is this controller's own: a harness would reach its memory, "
+                          "and ending its run's processes would end the controller")
+    if concurrency is not None and len(users) < concurrency:
+        raise LaunchError(f"run-as: {len(users)} user(s) for {concurrency} concurrent runs: each run needs a user of "
+                          f"its own (runs of one user read and signal each other); name {concurrency} (a uid range "
+                          "FIRST-LAST of uids without users does) or lower the concurrency")
+    return users
+
+
+def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
+    """Kill (SIGKILL) every process of the users ``uids`` (by real, effective, saved or filesystem uid) on this
+    machine and return how many signals were sent. Each process is opened as a pidfd before its uids are read and is
+    signalled through it, so a pid reused by another process meanwhile is never hit. Rounds repeat until one finds
+    none (a process that forked between two scans is found by the next; one dying is seen again until it is a
+    zombie); zombies are skipped. Needs the right to signal them (root).
+    Raises ``RuntimeError`` if processes of ``uids`` remain after ``rounds`` rounds (~10 ms apart)."""
+    wanted = {str(uid) for uid in uids}
+    sent = 0
+    for _ in range(rounds):
+        found = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                fd = os.pidfd_open(int(entry.name))
+            except OSError:  # gone already
+                continue
+            try:
+                fields = dict(line.split(":", 1) for line in
+                              Path(f"/proc/{entry.name}/status").read_text().splitlines() if ":" in line)
+                if fields.get("State", "").strip().startswith(("Z", "X")) or \
+                        not wanted.intersection(fields.get("Uid", "").split()):
+                    continue
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                found += 1
+            except (OSError, ValueError):  # exited meanwhile
+                continue
+            finally:
+                os.close(fd)
+        sent += found
+        if not found:
+            return sent
+        time.sleep(0.01)
+    raise RuntimeError(f"processes of uid {', '.join(sorted(wanted))} remain after {rounds} rounds of SIGKILL")
+
+
+class UserLocks:
+    """An exclusive lock on each user of a pool, held while a controller uses them: two controllers of one machine
+    given the same users would end each other's runs (:func:`end_user_processes`). The locks are ``flock``s on files
+    of a directory only this (root) user may write (``/run/agl-run-as``, else one under the temporary directory,
+    checked to be this user's and closed to others); they end with the process. Raises :class:`LaunchError` naming a
+    user another controller holds, or a lock directory that is not this user's own."""
+
+    def __init__(self, users: list[HarnessUser]):
+        import fcntl
+
+        self._fds: list[int] = []
+        folder = _lock_dir()
+        try:
+            for user in users:
+                fd = os.open(folder / f"uid-{user.uid}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                self._fds.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise LaunchError(f"run-as: {user.name} is in use by another controller of this machine (each "
+                                      "controller needs users of its own)") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+def _lock_dir() -> Path:
+    """Where :class:`UserLocks` keeps its files: ``/run/agl-run-as`` (created 0700), else ``agl-run-as-{euid}``
+    under the temporary directory; refused unless it is a directory of this user's that no one else can write."""
+    import tempfile
+
+    for folder in (Path("/run/agl-run-as"), Path(tempfile.gettempdir()) / f"agl-run-as-{os.geteuid()}"):
+        with contextlib.suppress(OSError):
+            folder.mkdir(mode=0o700, exist_ok=True)
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            continue
+        import stat
+
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise LaunchError(f"run-as: the lock directory {folder} is not this user's own (owner uid {st.st_uid}, "
+                              f"mode {st.st_mode & 0o777:o}): remove it")
+        return folder
+    raise LaunchError("run-as: no directory for the users' locks (/run/agl-run-as, nor one under the temporary "
+                      "directory)")
 
 
 def check_user_runs(user: HarnessUser, command: list[str], cwd: str) -> None:
@@ -310,10 +467,8 @@ class Launcher:
     ``PYTHON -m MODULE ...`` run by this controller's own interpreter (the forkserver is this interpreter).
     """
 
-    def __init__(self, command: list[str], preload: list[str] | None = None, env: dict[str, str] | None = None,
-                 user: HarnessUser | None = None):
+    def __init__(self, command: list[str], preload: list[str] | None = None, env: dict[str, str] | None = None):
         self.command = list(command)
-        self.user = user
         self.preload = [m for m in (preload or []) if m]
         self._ctx = None
         check_command(self.command, self.preload)
@@ -335,8 +490,10 @@ class Launcher:
     def mode(self) -> str:
         return "preload" if self.preload else "exec"
 
-    async def start(self, env: dict[str, str], cwd: str | None, log_path: Path) -> ExecProcess | ForkedProcess:
-        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to ``log_path``.
+    async def start(self, env: dict[str, str], cwd: str | None, log_path: Path,
+                    user: HarnessUser | None = None) -> ExecProcess | ForkedProcess:
+        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to ``log_path``, as
+        ``user`` if given (no supplementary groups).
 
         Raises ``OSError`` (e.g. :class:`LaunchError`, ``FileNotFoundError``) if it cannot start.
         """
@@ -345,13 +502,13 @@ class Launcher:
                 proc = await asyncio.create_subprocess_exec(
                     *self.command, env=env, stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
                     cwd=cwd, start_new_session=True,
-                    **({"user": self.user.uid, "group": self.user.gid, "extra_groups": []} if self.user else {}))
+                    **({"user": user.uid, "group": user.gid, "extra_groups": []} if user else {}))
             return ExecProcess(proc)
         if self.command[1] != "-m":
             script = Path(cwd or ".") / self.command[1]
             if not script.is_file():
                 raise FileNotFoundError(f"harness script {script} not found")
-        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path), self.user),
+        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path), user),
                                  daemon=False)
         if self._env is not None:
             # a forkserver that died (killed by a harness, the OOM killer) is started again by the next

@@ -143,10 +143,12 @@ class TrainConfig(_NoBooleanNumbers):
     harness_env: list[str] = Field([], description="names (or globs like MY_*) of variables of the trainer's "
                                    "environment each harness run gets (agl-controller --pass-env); without them a "
                                    "run gets only PATH, HOME, locale and the like, plus the contract's variables")
-    harness_user: str | None = Field(None, min_length=1, description="a Unix user (name or uid) every harness run "
-                                     "becomes (agl-controller --run-as; needs a trainer run as root): it then reads "
-                                     "neither the trainer's memory nor the engine's key nor its files "
-                                     "(docs/controller.md, harnesses you do not trust)")
+    harness_user: str | None = Field(None, min_length=1, description="Unix users the harness runs become, one per "
+                                     "concurrent run, at least `concurrency` of them (agl-controller --run-as: "
+                                     "comma-separated names, uids and ranges FIRST-LAST of uids without users, or a "
+                                     "YAML list; needs a trainer run as root): a run then reads neither the "
+                                     "trainer's memory, nor the engine's key, nor its files, nor another run; every "
+                                     "process of a run's user ends with the run (docs/controller.md)")
     task_file: str = Field("examples/arithmetic/task.py", description="Python file with the task functions")
     train_fn: str = "train_problems"
     heldout_fn: str = "heldout_problems"
@@ -348,6 +350,14 @@ class TrainConfig(_NoBooleanNumbers):
         for name in v:
             if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
                 raise ValueError(f"preload: {name!r} is not a module name")
+        return v
+
+    @field_validator("harness_user", mode="before")
+    @classmethod
+    def _harness_user(cls, v: object) -> object:
+        # a YAML list of names, uids and ranges is the same as their comma-separated string (--run-as's form)
+        if isinstance(v, list) and v and all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in v):
+            return ",".join(str(u) for u in v)
         return v
 
     @field_validator("harness_env")

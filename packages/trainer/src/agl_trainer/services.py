@@ -86,8 +86,9 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def _listened_by(parts, uid: int) -> bool:
-    """Whether a TCP socket listening on ``parts``' loopback port (``/proc/net/tcp``, ``tcp6``) belongs to ``uid``.
+def _listened_by(parts, uids: set[int]) -> bool:
+    """Whether a TCP socket listening on ``parts``' loopback port (``/proc/net/tcp``, ``tcp6``) belongs to one of
+    ``uids``.
     False for a host that is not this machine's loopback, or where ``/proc`` cannot say."""
     if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
         return False
@@ -99,7 +100,7 @@ def _listened_by(parts, uid: int) -> bool:
             continue
         for line in lines:
             f = line.split()  # sl local_address rem_address st tx:rx tr:tm retrnsmt uid ...
-            if len(f) > 7 and f[3] == "0A" and f[1].rpartition(":")[2] == port and f[7] == str(uid):
+            if len(f) > 7 and f[3] == "0A" and f[1].rpartition(":")[2] == port and f[7] in {str(u) for u in uids}:
                 return True
     return False
 
@@ -193,19 +194,18 @@ class Services:
         this machine (a harness run as ``harness_user``) cannot write what the run records. The password is in a
         configuration file readable by this user only, never on a command line (``ps``); the URL with it is
         ``LOG_DIR/redis.url`` (mode 0600) for the dashboard and the CLIs. With ``harness_user`` (the run's
-        ``harness_user``), a loopback port listened on by that user's process is refused: a harness that left its
+        ``harness_user``), a loopback port listened on by a process of those users is refused: a harness that left its
         process group could squat the port of a Redis that was gone and own the next run's store (round 19).
         Raises :class:`ServiceError`."""
         parts = urlparse(url)
         if harness_user is not None:
-            from agl_controller.spawn import LaunchError
-            from agl_controller.spawn import harness_user as resolve_user
+            from agl_controller.spawn import LaunchError, harness_users
 
             try:
-                uid = resolve_user(harness_user).uid
+                uids = {user.uid for user in harness_users(harness_user)}
             except LaunchError as exc:
                 raise ServiceError(str(exc)) from None
-            if _listened_by(parts, uid):
+            if _listened_by(parts, uids):
                 raise ServiceError(f"the port of {redacted_url(url)} is listened on by a process of harness_user "
                                    f"{harness_user!r}: a harness's, not a Redis of yours")
         if redis_answers(url):

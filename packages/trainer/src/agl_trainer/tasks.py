@@ -143,7 +143,8 @@ def check_controller_imports(cfg: TrainConfig) -> None:
     ``cfg.preload``, can be found by this interpreter from this directory (the controller is started with this
     interpreter, here; with the verl backend it runs in verl's own environment, so this check is not made), and
     ``cfg.command`` starts as the controller would start it (:func:`agl_controller.spawn.check_command`), and
-    ``cfg.harness_user`` is a user the controller can become (:func:`agl_controller.spawn.harness_user`).
+    ``cfg.harness_user`` names users the controller can become, one per concurrent run
+    (:func:`agl_controller.spawn.harness_users`).
     Raises :class:`TaskError` naming the field and the module or the command's fault."""
     import importlib.util
     import os
@@ -165,7 +166,7 @@ def check_controller_imports(cfg: TrainConfig) -> None:
     # the command as the controller will start it (its `python` is this interpreter): a misspelt program, or one
     # --preload cannot fork (`bash run.sh`, `python -u`), failed only once vLLM had started
     from agl_common.settings import command_argv
-    from agl_controller.spawn import LaunchError, check_command, check_user_runs, harness_user
+    from agl_controller.spawn import LaunchError, check_command, check_user_runs, harness_users
 
     from .stack import harness_command
 
@@ -175,7 +176,7 @@ def check_controller_imports(cfg: TrainConfig) -> None:
         raise TaskError(f"command: {exc}") from None
     if cfg.harness_user is not None:
         try:
-            check_user_runs(harness_user(cfg.harness_user),
-                            command_argv(harness_command(cfg.command, sys.executable)), os.getcwd())
+            for user in harness_users(cfg.harness_user, cfg.concurrency):
+                check_user_runs(user, command_argv(harness_command(cfg.command, sys.executable)), os.getcwd())
         except LaunchError as exc:
             raise TaskError(f"harness_user: {str(exc).removeprefix('run-as: ')}") from None
