@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import orjson
 from agl_common.aio import wait_until
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.settings import allowed_hosts
@@ -81,6 +82,35 @@ class RequestMetrics:
             if st is not None:
                 path = getattr(scope.get("route"), "path", "unmatched")
                 st.metrics.route(st.metrics.requests, path, str(status)).inc()
+
+
+class HideEngineKey:
+    """Pure ASGI middleware: the engine's key (``upstream_key``) is masked, byte for byte (``*``, the same length:
+    a ``Content-Length`` stays right), in every response body the gateway sends, as written and JSON-escaped. The
+    engine's messages reach the agent (a 400 ``upstream_rejected`` names what the engine said; a stream's error
+    event is relayed): an engine, or a proxy before it, that echoes the request's ``Authorization`` in an error
+    handed the agent the key that opens every route of the engine (round 20). Each body message is whole
+    (an answer, or one stream event), so a key is never split across two."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        raw = key.encode()
+        self.forms = {raw, orjson.dumps(key)[1:-1]}  # (orjson escapes only `"` and `\` of printable ASCII)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def masked(message):
+            if message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                for form in self.forms:
+                    if form in body:
+                        body = body.replace(form, b"*" * len(form))
+                message["body"] = body
+            await send(message)
+
+        await self.app(scope, receive, masked)
 
 
 #: Endpoints taken by :class:`RequestMetrics`'s short cut: ``async def f(request) -> Response``.
@@ -173,6 +203,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
 
     app.add_middleware(RequestMetrics)
+    if settings.upstream_key:
+        app.add_middleware(HideEngineKey, key=settings.upstream_key)
     if not settings.key:  # keyless on loopback: only loopback Host names (a web page cannot read it by DNS rebinding)
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings.host))
     for family in (openai.router, anthropic.router, responses.router):

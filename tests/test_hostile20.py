@@ -1,0 +1,202 @@
+"""Round 20 of hostile input (docs/operations.md, "A twentieth round"): what round 19 left open — harness runs that
+shared one user, a primary group 0, the engine's key in its own error messages. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from agl_common.schemas import Rollout
+from agl_controller.local import LocalRunner
+from agl_controller.spawn import LaunchError, UserLocks, end_user_processes, harness_user, harness_users
+
+from fakes import Served, fake_upstream
+from test_controller import gateway_url  # noqa: F401 (fixture)
+from test_gateway import MSG, gateway, make_rollout
+from test_hostile19 import as_root, open_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESSES = ROOT / "tests" / "harnesses"
+
+
+def free_uids(n: int, start: int = 61000) -> tuple[int, int]:
+    """``n`` consecutive uids from ``start`` that name no user (as a range of ``--run-as`` must)."""
+    first = start
+    while True:
+        uids = range(first, first + n)
+        taken = [u for u in uids if _user_exists(u)]
+        if not taken:
+            return uids[0], uids[-1]
+        first = taken[-1] + 1
+
+
+def _user_exists(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def processes_of(uids) -> list[int]:
+    """Pids of live (not zombie) processes with one of ``uids`` as their real uid."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry.name}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields["Uid"].split()[0]) in uids and not fields["State"].strip().startswith(("Z", "X")):
+            found.append(int(entry.name))
+    return found
+
+
+@as_root
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
+async def test_each_concurrent_run_is_a_user_of_its_own_and_leaves_no_process(store, gateway_url, preload,  # noqa: F811
+                                                                             monkeypatch):
+    """With ``--run-as nobody`` every run was ``nobody``: a run read its sibling's ``/proc/<pid>/environ`` (its scoped
+    key, its input) and could signal it, and a child that left its process group (``setsid``) lived on as that user
+    into every later run. Now each concurrent run becomes a user of its own (a range of uids without users here),
+    and every process of that user is ended when the run ends, before the user runs anything else."""
+    if preload:
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()
+        monkeypatch.setattr("agl_controller.local.check_user_runs", lambda *a: None)  # (see test_hostile19)
+    first, last = free_uids(2)
+    with open_dir(0o777) as shared:
+        command = [sys.executable, str(HARNESSES / "sibling.py")] if preload else [str(HARNESSES / "sibling.sh")]
+        runner = LocalRunner(store, gateway_url, command, "m", key="k3y", log_dir=shared / "logs", preload=preload,
+                             run_as=f"{first}-{last}", cwd=str(ROOT), concurrency=2)
+        for rid in ("s1", "s2"):
+            await store.create_rollout(Rollout(rollout_id=rid, input={"dir": str(shared)},
+                                               env_map={"PROBE_DIR": "dir"}))
+        await asyncio.gather(runner.run_one(await store.pop_queued()), runner.run_one(await store.pop_queued()))
+        logs = "".join(p.read_text() for p in (shared / "logs").glob("*"))
+        for rid in ("s1", "s2"):
+            assert (await store.get_rollout(rid)).failure == "no_model_calls", logs
+        uids = {int((shared / f"{rid}.uid").read_text()) for rid in ("s1", "s2")}
+        assert uids == {first, last}, (uids, logs)
+        assert {(shared / f"{rid}.sibling").read_text().strip() for rid in ("s1", "s2")} == {"unreadable"}, logs
+        assert not processes_of({first, last})  # the setsid children are gone
+        # the users went back to the pool: a third run gets one again
+        await store.create_rollout(Rollout(rollout_id="s3", input={"dir": str(shared), "alone": True},
+                                           env_map={"PROBE_DIR": "dir", "ALONE": "alone"}))
+        await runner.run_one(await store.pop_queued())
+        assert int((shared / "s3.uid").read_text()) in {first, last}
+        assert not processes_of({first, last})
+
+
+def test_run_as_names_a_user_per_concurrent_run_and_nothing_doubtful(monkeypatch):
+    """The users of ``--run-as`` / ``harness_user``: names, uids and ranges ``FIRST-LAST`` of uids without users; at
+    least one per concurrent run. A range over a named user (whose logins its runs' end would kill), a uid whose own
+    group names a group, a user twice, an empty range, root, this controller's own uid, or a user whose primary
+    group is 0: refused, naming it."""
+    first, last = free_uids(3)
+    if os.geteuid() == 0:
+        users = harness_users(f"nobody,{first}-{last}", concurrency=4)
+        assert [u.uid for u in users] == [pwd.getpwnam("nobody").pw_uid, first, first + 1, last]
+        anonymous = users[1]
+        assert (anonymous.gid, anonymous.home) == (first, "/nonexistent")
+        with pytest.raises(LaunchError, match="1 user.s. for 4 concurrent runs"):
+            harness_users("nobody", concurrency=4)
+        with pytest.raises(LaunchError, match="is the user 'root'"):
+            harness_users("0-3")
+        with pytest.raises(LaunchError, match="named twice"):
+            harness_users(f"nobody,{pwd.getpwnam('nobody').pw_uid}")
+        with pytest.raises(LaunchError, match="is empty"):
+            harness_users(f"{last}-{first}")
+        with pytest.raises(LaunchError, match="empty user name"):
+            harness_users("nobody,,")
+        with pytest.raises(LaunchError, match="at most"):
+            harness_users(f"{first}-{first + 5000}")
+        import grp
+        grouped = next((g.gr_gid for g in grp.getgrall() if g.gr_gid > 0 and not _user_exists(g.gr_gid)), None)
+        if grouped is not None:
+            with pytest.raises(LaunchError, match="must name no group"):
+                harness_user(str(grouped))
+        wheelie = pwd.struct_passwd(("wheelie", "x", last + 1, 0, "", "/nonexistent", "/bin/sh"))  # (in group 0)
+        monkeypatch.setattr(pwd, "getpwnam", lambda name: wheelie)
+        with pytest.raises(LaunchError, match="group 0"):
+            harness_user("wheelie")
+    else:
+        with pytest.raises(LaunchError, match="this controller's own"):
+            harness_users(str(os.geteuid()))
+
+
+@as_root
+def test_users_are_locked_per_controller_and_their_leftovers_ended():
+    """Two controllers of one machine given the same users would end each other's runs: the second is refused
+    while the first holds them. What a controller that died left running as its users (here: a process that keeps
+    forking) is ended — and nothing of any other user."""
+    first, last = free_uids(2, start=61100)
+    users = harness_users(f"{first}-{last}")
+    locks = UserLocks(users)
+    try:
+        with pytest.raises(LaunchError, match="in use by another controller"):
+            UserLocks(users[1:])
+    finally:
+        locks.close()
+    UserLocks(users).close()  # free again
+
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left = subprocess.Popen(["/bin/sh", "-c", "while true; do sleep 30 & sleep 0.01; done"], user=first, group=first,
+                            extra_groups=[], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        assert processes_of({first})
+        assert end_user_processes([first, last]) > 0
+        assert not processes_of({first, last})
+        assert ours.poll() is None
+    finally:
+        ours.kill()
+        ours.wait()
+        left.wait(timeout=10)
+
+
+@as_root
+def test_a_controller_refuses_users_another_holds_in_one_line(tmp_path):
+    first, last = free_uids(2, start=61200)
+    locks = UserLocks(harness_users(f"{first}-{last}"))
+    try:
+        ctl = subprocess.run([sys.executable, "-m", "agl_controller", "run", "--mode", "local", "--command", "true",
+                              "--concurrency", "2", "--run-as", f"{first}-{last}", "--log-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        locks.close()
+    assert ctl.returncode == 2 and "in use by another controller" in ctl.stderr, ctl.stderr[-2000:]
+    assert "Traceback" not in ctl.stderr
+
+
+async def test_the_engines_key_never_reaches_the_agent_in_what_the_engine_says(store, redis_url, prefix):
+    """An engine (or a proxy before it) that echoes the request's ``Authorization`` in its error messages handed the
+    agent the key that opens every route of the engine: the gateway relays an engine's 400 message and a stream's
+    error event as the engine wrote them. The key is masked in every body the gateway sends."""
+    key = 'engine-s3cret"k'
+    said = f"bad request (Authorization: Bearer {key})"
+    app = fake_upstream()
+    await make_rollout(store, "r1")
+    with Served(app) as up, gateway(redis_url, prefix, up.url, upstream_key=key) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            app.state.plan = ("body", 400, orjson.dumps({"error": {"message": said}}))
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
+            assert r.status_code == 400 and "bad request (Authorization: Bearer" in r.text, r.text
+            event = {"error": {"message": said}}
+            app.state.plan = ("stream", [b"data: " + orjson.dumps(event) + b"\n\n"], "done")
+            s = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={**MSG, "stream": True})
+            assert "Authorization: Bearer" in s.text, s.text
+    for text in (r.text, s.text):
+        assert "s3cret" not in text, text
+    assert len(r.content) == int(r.headers["content-length"])
+
