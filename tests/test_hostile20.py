@@ -16,7 +16,8 @@ import orjson
 import pytest
 from agl_common.schemas import Rollout
 from agl_controller.local import LocalRunner
-from agl_controller.spawn import LaunchError, UserLocks, end_user_processes, harness_user, harness_users
+from agl_controller.spawn import (LaunchError, UserLocks, end_user_processes, harness_user, harness_users,
+                                  user_processes)
 
 from fakes import Served, fake_upstream
 from test_controller import gateway_url  # noqa: F401 (fixture)
@@ -46,22 +47,6 @@ def _user_exists(uid: int) -> bool:
         return False
 
 
-def processes_of(uids) -> list[int]:
-    """Pids of live (not zombie) processes with one of ``uids`` as their real uid."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry.name}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) in uids and not fields["State"].strip().startswith(("Z", "X")):
-            found.append(int(entry.name))
-    return found
-
-
 @as_root
 @pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
 async def test_each_concurrent_run_is_a_user_of_its_own_and_leaves_no_process(store, gateway_url, preload,  # noqa: F811
@@ -89,13 +74,13 @@ async def test_each_concurrent_run_is_a_user_of_its_own_and_leaves_no_process(st
         uids = {int((shared / f"{rid}.uid").read_text()) for rid in ("s1", "s2")}
         assert uids == {first, last}, (uids, logs)
         assert {(shared / f"{rid}.sibling").read_text().strip() for rid in ("s1", "s2")} == {"unreadable"}, logs
-        assert not processes_of({first, last})  # the setsid children are gone
+        assert not user_processes({first, last})  # the setsid children are gone
         # the users went back to the pool: a third run gets one again
         await store.create_rollout(Rollout(rollout_id="s3", input={"dir": str(shared), "alone": True},
                                            env_map={"PROBE_DIR": "dir", "ALONE": "alone"}))
         await runner.run_one(await store.pop_queued())
         assert int((shared / "s3.uid").read_text()) in {first, last}
-        assert not processes_of({first, last})
+        assert not user_processes({first, last})
 
 
 def test_run_as_names_a_user_per_concurrent_run_and_nothing_doubtful(monkeypatch):
@@ -155,9 +140,9 @@ def test_users_are_locked_per_controller_and_their_leftovers_ended():
                             extra_groups=[], start_new_session=True)
     try:
         time.sleep(0.5)
-        assert processes_of({first})
+        assert user_processes({first})
         assert end_user_processes([first, last]) > 0
-        assert not processes_of({first, last})
+        assert not user_processes({first, last})
         assert ours.poll() is None
     finally:
         ours.kill()
@@ -200,3 +185,21 @@ async def test_the_engines_key_never_reaches_the_agent_in_what_the_engine_says(s
         assert "s3cret" not in text, text
     assert len(r.content) == int(r.headers["content-length"])
 
+
+
+@as_root
+async def test_a_named_user_with_processes_of_its_own_is_refused_not_swept(store, gateway_url, tmp_path):  # noqa: F811
+    """Every process of a run's user is ended with the run (and, for a range's uids, at start): a named user that
+    already runs something (``nobody`` runs daemons on many machines) is not the controller's to sweep. It is refused
+    when the controller starts, naming the processes, and the process lives on."""
+    nobody = pwd.getpwnam("nobody")
+    daemon = subprocess.Popen(["/bin/sleep", "60"], user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[])
+    try:
+        runner = LocalRunner(store, gateway_url, ["/bin/true"], "m", log_dir=tmp_path, run_as="nobody",
+                             concurrency=1, cwd="/")
+        with pytest.raises(LaunchError, match=rf"process\(es\) \[.*{daemon.pid}.*\] already run as"):
+            await runner.run_forever(asyncio.Event())
+        assert daemon.poll() is None
+    finally:
+        daemon.kill()
+        daemon.wait()

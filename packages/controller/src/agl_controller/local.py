@@ -43,8 +43,8 @@ from agl_common.settings import check_env_names, redacted_text
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
-from .spawn import ANONYMOUS_HOME, HarnessUser, Launcher, UserLocks, check_user_runs, create_log, \
-    end_user_processes, harness_users
+from .spawn import ANONYMOUS_HOME, HarnessUser, LaunchError, Launcher, UserLocks, check_user_runs, create_log, \
+    end_user_processes, harness_users, user_processes
 
 log = logging.getLogger("agl.controller")
 
@@ -249,7 +249,14 @@ class LocalRunner(Runner):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         locks = UserLocks(self.users)  # (LaunchError: another controller of this machine uses one of them)
         try:
-            if self.users:  # what runs of a controller that died left behind
+            named = [u for u in self.users if not u.anonymous]
+            if busy := user_processes([u.uid for u in named]):
+                # a named user may be one the machine uses (nobody runs daemons): its processes are not ours to end
+                raise LaunchError(f"run-as: {', '.join(u.name for u in named)}: process(es) {busy[:5]} already run as "
+                                  "one of these users; harness users must be dedicated to harness runs (every process "
+                                  "of a run's user is ended with the run): end them, or use a range of uids without "
+                                  "users")
+            if self.users:  # what runs of a controller that died left running as an anonymous uid
                 await asyncio.to_thread(end_user_processes, [u.uid for u in self.users])
             await self._run_forever(stop)
         finally:

@@ -37,12 +37,14 @@ class LaunchError(OSError):
 
 @dataclass(frozen=True)
 class HarnessUser:
-    """A Unix user a harness run becomes (``agl-controller run --run-as``): its ids and home directory."""
+    """A Unix user a harness run becomes (``agl-controller run --run-as``): its ids and home directory;
+    ``anonymous`` for a uid that names no user (:func:`harness_user`)."""
 
     name: str
     uid: int
     gid: int
     home: str
+    anonymous: bool = False
 
 
 #: Most users one ``--run-as`` may name (ranges counted whole): each is checked at start and locked while it runs.
@@ -70,7 +72,7 @@ def harness_user(name: str) -> HarnessUser:
     except (KeyError, ValueError, OverflowError):
         if not name.isdigit() or int(name) >= 2**32 - 1:
             raise LaunchError(f"run-as: no user {name!r} on this machine") from None
-        user = HarnessUser(name, int(name), int(name), ANONYMOUS_HOME)
+        user = HarnessUser(name, int(name), int(name), ANONYMOUS_HOME, anonymous=True)
         with contextlib.suppress(KeyError):
             raise LaunchError(f"run-as: uid {name} names no user, and its group, gid {name}, is "
                               f"{grp.getgrgid(user.gid).gr_name!r}: a uid without a user runs in the group of its "
@@ -129,6 +131,26 @@ def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser
     return users
 
 
+def _uids_of(pid: str) -> list[str] | None:
+    """The real, effective, saved and filesystem uids of process ``pid`` (``/proc/<pid>/status``), or ``None`` for
+    a zombie or a process that is gone."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except (OSError, ValueError):
+        return None
+    if fields.get("State", "").strip().startswith(("Z", "X")):
+        return None
+    return fields.get("Uid", "").split()
+
+
+def user_processes(uids: Collection[int]) -> list[int]:
+    """Pids of the live processes (zombies aside) that have one of ``uids`` (real, effective, saved or filesystem)."""
+    wanted = {str(uid) for uid in uids}
+    return [int(e.name) for e in os.scandir("/proc")
+            if e.name.isdigit() and wanted.intersection(_uids_of(e.name) or ())]
+
+
 def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
     """Kill (SIGKILL) every process of the users ``uids`` (by real, effective, saved or filesystem uid) on this
     machine and return how many signals were sent. Each process is opened as a pidfd before its uids are read and is
@@ -148,15 +170,11 @@ def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
             except OSError:  # gone already
                 continue
             try:
-                fields = dict(line.split(":", 1) for line in
-                              Path(f"/proc/{entry.name}/status").read_text().splitlines() if ":" in line)
-                if fields.get("State", "").strip().startswith(("Z", "X")) or \
-                        not wanted.intersection(fields.get("Uid", "").split()):
-                    continue
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-                found += 1
-            except (OSError, ValueError):  # exited meanwhile
-                continue
+                if wanted.intersection(_uids_of(entry.name) or ()):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    found += 1
+            except OSError:  # exited meanwhile
+                pass
             finally:
                 os.close(fd)
         sent += found
