@@ -203,3 +203,19 @@ async def test_a_named_user_with_processes_of_its_own_is_refused_not_swept(store
     finally:
         daemon.kill()
         daemon.wait()
+
+
+def test_harness_user_names_enough_users_before_anything_starts(tmp_path):
+    """A training config's ``harness_user`` is a string of ``--run-as`` or a YAML list of the same; fewer users than
+    ``concurrency`` (32 by default) is one line and exit 2 before any service starts."""
+    from agl_trainer.config import TrainConfig
+
+    assert TrainConfig(harness_user=["nobody", 61000, "61001-61002"]).harness_user == "nobody,61000,61001-61002"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("harness_user: nobody\nsteps: 1\n")
+    run = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    if os.geteuid() == 0:
+        assert "harness_user: 1 user(s) for 32 concurrent runs" in run.stdout + run.stderr
+    assert "starting vLLM" not in run.stdout and "Traceback" not in run.stderr
