@@ -219,3 +219,27 @@ def test_harness_user_names_enough_users_before_anything_starts(tmp_path):
     if os.geteuid() == 0:
         assert "harness_user: 1 user(s) for 32 concurrent runs" in run.stdout + run.stderr
     assert "starting vLLM" not in run.stdout and "Traceback" not in run.stderr
+
+
+async def test_a_reward_posted_while_the_outcome_is_written_is_not_lost(store, monkeypatch):
+    """(Left open by round 18.) A reward posted (HTTP 200) in the moment between the controller's read of the
+    rollout and its write of the outcome left the rollout ``failed no_reward`` with the reward stored beside it.
+    The outcome is decided again on the rollout it writes."""
+    from agl_common.schemas import CallRecord, RolloutStatus
+    from agl_controller.base import Runner
+
+    await store.create_rollout(Rollout(rollout_id="late", status=RolloutStatus.running), enqueue=False)
+    await store.record_call(CallRecord(rollout_id="late", attempt_id="0", seq=-1, route="chat", request={},
+                                       response={}))
+    runner = Runner(store)
+    update = store.update_rollout
+    posted = []
+
+    async def post_then_update(rid, change, **kw):
+        if not posted:  # the harness's left-behind process posts its reward here (as the gateway's route does)
+            posted.append(await update(rid, lambda r: setattr(r, "reward", 0.75)))
+        return await update(rid, change, **kw)
+
+    monkeypatch.setattr(store, "update_rollout", post_then_update)
+    got = await runner.finish_attempt("late", "0", None)
+    assert posted and (got.status, got.failure, got.reward) == (RolloutStatus.succeeded, None, 0.75), got

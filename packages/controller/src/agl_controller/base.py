@@ -90,6 +90,10 @@ class Stale(Exception):
     """The rollout moved on (another attempt, or finished): this runner's result is dropped."""
 
 
+class _RewardArrived(Exception):
+    """A reward was posted between the outcome's read and its write: the attempt has one after all."""
+
+
 def final_output(calls: list[CallRecord]) -> str:
     """Text of the last successful answer of an attempt, whatever its route (:func:`agl_common.schemas.answer_text`)."""
     for call in reversed(calls):
@@ -392,6 +396,8 @@ class Runner:
 
         def end(r: Rollout) -> None:
             current(r)
+            if failure == "no_reward" and r.reward is not None:  # posted since the read above: decided again
+                raise _RewardArrived
             replaced.clear()
             if judged is not None and not failure:  # in the step that ends the attempt: a process the run left
                 # behind (setsid) can no longer post over the judge between the two (its key works until then)
@@ -408,6 +414,9 @@ class Runner:
                 rollout = await self.store.update_rollout(
                     rollout_id, end, calls_seen=(attempt_id, seen) if check_calls and not failure else None)
                 break
+            except _RewardArrived:  # (the reward the run's processes posted stands, as its 200 told them)
+                failure = None
+                continue
             except CallsRecordedSince:
                 later = (await self.store.read_calls(rollout_id, attempt_id))[seen:]
                 if not any(c.status == "ok" for c in later):  # an abandoned call's error record: trains nothing
