@@ -244,3 +244,19 @@ def test_the_k8s_runner_needs_exactly_what_the_chart_grants(helm, redis_url, pre
         spec = job["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
         assert spec.get("serviceAccountName") != sa["metadata"]["name"]  # harness pods never get the Role
+
+
+def test_the_engines_key_comes_from_a_secret_in_the_gateway_and_the_trainer(helm):
+    """(Left open by round 19.) An engine that asks for a key (vLLM ``--api-key``) could not be used from the charts:
+    neither the gateway nor the trainer (which loads each adapter into the engine) got ``AGL_UPSTREAM_KEY``. With
+    ``engineKey.existingSecret`` both read it from that Secret, never as a plain value; by default it is unset."""
+    for chart, kind in (("agl-gateway", "Deployment"), ("agl-trainer", "Job")):
+        def env_of(*args):
+            (obj,) = [o for o in render(helm, ["agl", f"helm/{chart}", *args]) if o["kind"] == kind]
+            validate_object(obj)
+            return {e["name"]: e for e in obj["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+
+        assert "AGL_UPSTREAM_KEY" not in env_of()
+        got = env_of("--set", "engineKey.existingSecret=vllm-key")["AGL_UPSTREAM_KEY"]
+        assert got == {"name": "AGL_UPSTREAM_KEY", "valueFrom": {"secretKeyRef": {"name": "vllm-key", "key": "key"}}}
+        run(helm, "lint", "--strict", f"helm/{chart}", "--set", "engineKey.existingSecret=vllm-key")
