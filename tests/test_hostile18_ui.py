@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from agl_common.schemas import CallRecord, GroupInfo, Rollout, RolloutStatus
 from agl_common.store import Store
 from agl_trainer.ui.server import create_app
 
@@ -50,6 +50,7 @@ async def _seed_group(redis_url: str, prefix: str, gid: str, rewards: list[float
             await store.update_rollout(rid, lambda r: setattr(r, "status", RolloutStatus.running))
             await store.update_rollout(rid, done)
             rids.append(rid)
+        await store.register_group(GroupInfo(group_id=gid, rollout_ids=rids))  # (as the scheduler does)
     finally:
         await store.close()
     return rids

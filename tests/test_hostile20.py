@@ -243,3 +243,35 @@ async def test_a_reward_posted_while_the_outcome_is_written_is_not_lost(store, m
     monkeypatch.setattr(store, "update_rollout", post_then_update)
     got = await runner.finish_attempt("late", "0", None)
     assert posted and (got.status, got.failure, got.reward) == (RolloutStatus.succeeded, None, 0.75), got
+
+
+def test_the_dashboard_reads_a_group_by_its_registration_only(redis_url, prefix, tmp_path):
+    """(Left open by round 18.) A group named by a run's metrics but not registered (a hand-edited metrics.jsonl)
+    made the dashboard read every rollout of the prefix to find its members by their ``group_id``. Such a group's
+    page is a 404 naming it, and the step page lists it with no rollouts."""
+    import json
+
+    from agl_trainer.ui.server import create_app
+    from test_hostile18_ui import _seed_group
+
+    asyncio.run(_seed_group(redis_url, prefix, "reg", [1.0, 0.0]))
+    d = tmp_path / "demo" / "run1"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "groups": ["reg", "unreg"]}) + "\n")
+
+    async def seed_unregistered():  # a rollout that names the group, as `rollouts create --group` makes one
+        from agl_common.store import Store
+        store = Store(redis_url, prefix)
+        try:
+            await store.create_rollout(Rollout(rollout_id="unreg-0", group_id="unreg"), enqueue=False)
+        finally:
+            await store.close()
+
+    asyncio.run(seed_unregistered())
+    with Served(create_app(redis_url, prefix, tmp_path)) as ui:
+        step = httpx.get(f"{ui.url}/runs/run1/steps/1", timeout=60)
+        assert step.status_code == 200 and "unreg" in step.text and "unreg-0" not in step.text, step.text[-3000:]
+        page = httpx.get(f"{ui.url}/runs/run1/steps/1/groups/unreg", timeout=60)
+        assert page.status_code == 404 and "No group &#39;unreg&#39; is registered" in page.text, page.text[:500]
+        reg = httpx.get(f"{ui.url}/runs/run1/steps/1/groups/reg", timeout=60)
+        assert reg.status_code == 200 and 'data-rollout="reg-0"' in reg.text

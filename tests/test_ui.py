@@ -473,7 +473,7 @@ def test_a_hand_edited_metrics_file_with_odd_groups_is_no_503(redis_url, tmp_pat
     with Served(create_app(redis_url, prefix, tmp_path, Vocabulary(decode, frozenset({EOS})))) as ui:
         for path, status in (("/", 200), ("/runs/r1", 200), ("/runs/r1/steps/1", 200), ("/runs/r1/steps/2", 200),
                              ("/runs/r1/steps/1/groups/1", 404), ("/runs/r1/steps/2/groups/a", 404),
-                             ("/runs/r1/steps/1/groups/g-odd", 200)):
+                             ("/runs/r1/steps/1/groups/g-odd", 404)):  # (not registered: round 20)
             resp = httpx.get(ui.url + path, timeout=60)
             assert resp.status_code == status, (path, resp.status_code, resp.text[:300])
         step1 = httpx.get(ui.url + "/runs/r1/steps/1", timeout=60).text

@@ -167,10 +167,10 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
 
     async def group_rollouts(gid: str) -> list:
         info = (await store.groups([gid]))[0]
-        if info is not None:  # registered by create_rollouts
-            return await store.get_rollouts(info.rollout_ids, skip_missing=True)
-        # rollouts created without a group record: their own group_id says, never their id
-        return [r for r in await store.get_rollouts(await store.rollout_ids(), skip_missing=True) if r.group_id == gid]
+        if info is None:  # every group a run trains is registered (the scheduler's); a name in a hand-edited
+            # metrics.jsonl, or one whose record is gone, has none: no scan of every rollout of the prefix (round 20)
+            return []
+        return await store.get_rollouts(info.rollout_ids, skip_missing=True)
 
     async def group_summary(run: Run, gid: str) -> dict[str, Any]:
         settings, _ = run_settings_of(run)
@@ -244,6 +244,9 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
         m = get_step(run, step)
         if gid not in step_groups(m):
             raise PageError(404, "Unknown group", f"Step {step} of run {run_id} trained no group {gid!r}.")
+        if (await store.groups([gid]))[0] is None:
+            raise PageError(404, "Unknown group", f"No group {gid!r} is registered in Redis at {redis_url} "
+                                                  f"(prefix {prefix!r}).")
         g = await group_summary(run, gid)
         return page(request, "group.html", run=run, step=step, g=g, settings_refused=run_settings_of(run)[1],
                     crumbs=crumbs(run, step, gid))
