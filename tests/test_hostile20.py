@@ -275,3 +275,50 @@ def test_the_dashboard_reads_a_group_by_its_registration_only(redis_url, prefix,
         assert page.status_code == 404 and "No group &#39;unreg&#39; is registered" in page.text, page.text[:500]
         reg = httpx.get(f"{ui.url}/runs/run1/steps/1/groups/reg", timeout=60)
         assert reg.status_code == 200 and 'data-rollout="reg-0"' in reg.text
+
+
+ZOMBIE_LEADER = """import ctypes, os, sys, threading, time
+def work():
+    while True:
+        with open(sys.argv[1], "w") as f:
+            f.write(str(time.time()))
+        time.sleep(0.05)
+threading.Thread(target=work).start()
+time.sleep(0.1)
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread leaves, the process lives on in its other thread
+"""
+
+
+@as_root
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs a Python another user can run")
+def test_a_process_whose_leader_thread_left_is_ended_too():
+    """(Round 20's prober.) A process whose main thread leaves with ``SYS_exit`` shows ``State: Z`` while its other
+    threads run: the sweep skipped it as a zombie, and it read later runs' ``/proc/<pid>/environ`` (their scoped
+    keys) and killed them. It counts as alive while any of its tasks is, and is killed."""
+    uid, _ = free_uids(1, start=61300)
+    with open_dir(0o777) as shared:
+        marker = shared / "alive"
+        proc = subprocess.Popen(["/usr/bin/python3", "-c", ZOMBIE_LEADER, str(marker)], user=uid, group=uid,
+                                extra_groups=[], start_new_session=True, cwd="/")
+        try:
+            deadline = time.monotonic() + 10
+            while "Z" not in Path(f"/proc/{proc.pid}/status").read_text().split("State:")[1][:4]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert user_processes([uid]) == [proc.pid]
+            assert end_user_processes([uid]) >= 1
+            assert user_processes([uid]) == []
+            before = marker.read_text()
+            time.sleep(0.3)
+            assert marker.read_text() == before  # its thread is gone too
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_run_as_takes_ascii_digits_only():
+    """(Round 20's prober.) ``²`` passed ``str.isdigit`` and ``int`` refused it (a traceback); Arabic-Indic digits
+    were read as a uid."""
+    for spec in ("²", "61000-6100²", "٦١٠٠٠"):
+        with pytest.raises(LaunchError, match="no user"):
+            harness_users(spec)

@@ -54,6 +54,11 @@ MAX_HARNESS_USERS = 1024
 ANONYMOUS_HOME = "/nonexistent"
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` takes ``²`` and other scripts' digits, which ``int`` then refuses or reads)."""
+    return text.isascii() and text.isdigit()
+
+
 def harness_user(name: str) -> HarnessUser:
     """The user ``name`` (a name or a numeric uid) as a :class:`HarnessUser`. A numeric uid that names no user is
     taken as an *anonymous* one: its group is the gid of the same number, which must name no group (a uid of 27 in
@@ -67,10 +72,10 @@ def harness_user(name: str) -> HarnessUser:
     import pwd
 
     try:
-        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        entry = pwd.getpwuid(int(name)) if _is_number(name) else pwd.getpwnam(name)
         user = HarnessUser(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
     except (KeyError, ValueError, OverflowError):
-        if not name.isdigit() or int(name) >= 2**32 - 1:
+        if not _is_number(name) or int(name) >= 2**32 - 1:
             raise LaunchError(f"run-as: no user {name!r} on this machine") from None
         user = HarnessUser(name, int(name), int(name), ANONYMOUS_HOME, anonymous=True)
         with contextlib.suppress(KeyError):
@@ -102,7 +107,7 @@ def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser
     users: list[HarnessUser] = []
     for item in (part.strip() for part in spec.split(",")):
         first, dash, last = item.partition("-")
-        if dash and first.isdigit() and last.isdigit():
+        if dash and _is_number(first) and _is_number(last):
             if int(first) > int(last):
                 raise LaunchError(f"run-as: the range {item!r} is empty")
             if int(last) - int(first) + len(users) >= MAX_HARNESS_USERS:
@@ -133,19 +138,24 @@ def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser
 
 def _uids_of(pid: str) -> list[str] | None:
     """The real, effective, saved and filesystem uids of process ``pid`` (``/proc/<pid>/status``), or ``None`` for
-    a zombie or a process that is gone."""
+    a process that is gone or has no live thread. A zombie thread-group leader is not a dead process: its main thread
+    can leave with ``SYS_exit`` while its other threads run on (round 20: such a process outlived every sweep and
+    read later runs' keys), so a process is dead only when every task of ``/proc/<pid>/task`` is."""
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                       if ":" in line)
-    except (OSError, ValueError):
-        return None
-    if fields.get("State", "").strip().startswith(("Z", "X")):
+        if fields.get("State", "").strip().startswith(("Z", "X")) and not any(
+                Path(f"/proc/{pid}/task/{task}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+                for task in os.listdir(f"/proc/{pid}/task")):
+            return None
+    except (OSError, ValueError, IndexError):
         return None
     return fields.get("Uid", "").split()
 
 
 def user_processes(uids: Collection[int]) -> list[int]:
-    """Pids of the live processes (zombies aside) that have one of ``uids`` (real, effective, saved or filesystem)."""
+    """Pids of the live processes (a process with a live thread: zombies aside) that have one of ``uids`` (real,
+    effective, saved or filesystem)."""
     wanted = {str(uid) for uid in uids}
     return [int(e.name) for e in os.scandir("/proc")
             if e.name.isdigit() and wanted.intersection(_uids_of(e.name) or ())]
@@ -156,7 +166,8 @@ def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
     machine and return how many signals were sent. Each process is opened as a pidfd before its uids are read and is
     signalled through it, so a pid reused by another process meanwhile is never hit. Rounds repeat until one finds
     none (a process that forked between two scans is found by the next; one dying is seen again until it is a
-    zombie); zombies are skipped. Needs the right to signal them (root).
+    zombie); zombies are skipped, but not a zombie leader whose other threads live (:func:`_uids_of`): the signal
+    to it kills them all. Needs the right to signal them (root).
     Raises ``RuntimeError`` if processes of ``uids`` remain after ``rounds`` rounds (~10 ms apart)."""
     wanted = {str(uid) for uid in uids}
     sent = 0
