@@ -138,7 +138,7 @@ async def test_starting_a_preloaded_harness_never_changes_the_controllers_enviro
     holds only the allow-listed environment."""
     import threading
 
-    from agl_controller.spawn import Launcher
+    from agl_controller.spawn import Launcher, create_log
 
     monkeypatch.setenv("AGL_H13_JUDGE_KEY", "judge")
     (tmp_path / "h.py").write_text("import os, sys\n"
@@ -160,7 +160,7 @@ async def test_starting_a_preloaded_harness_never_changes_the_controllers_enviro
         for i in range(6):
             if i % 2:
                 _kill_forkserver()  # started again, with the allow-listed environment, by the next start
-            proc = await launcher.start(dict(allowed), str(tmp_path), tmp_path / f"{i}.log")
+            proc = await launcher.start(dict(allowed), str(tmp_path), create_log(tmp_path / f"{i}.log"))
             assert await proc.wait() == 0
             server_env = (tmp_path / f"{i}.log").read_text()
             assert "AGL_H13_ALLOWED=1" in server_env and "AGL_H13_JUDGE_KEY" not in server_env, i
@@ -451,7 +451,7 @@ async def test_a_run_that_ended_in_time_is_not_a_timeout_when_the_controller_loo
     runner = LocalRunner(store, "http://127.0.0.1:9", ["true"], "m", timeout_s=5, log_dir=tmp_path)
     fd = create_log(tmp_path / "x.log")
     try:
-        proc = await runner.launcher.start(dict(os.environ), str(tmp_path), tmp_path / "x.log")
+        proc = await runner.launcher.start(dict(os.environ), str(tmp_path), fd)
         waiter = asyncio.ensure_future(proc.wait())
         await asyncio.wait_for(asyncio.shield(waiter), 10)
         # the controller looks only now, as if it had been stopped for 7 s after the start

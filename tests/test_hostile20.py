@@ -322,3 +322,58 @@ def test_run_as_takes_ascii_digits_only():
     for spec in ("²", "61000-6100²", "٦١٠٠٠"):
         with pytest.raises(LaunchError, match="no user"):
             harness_users(spec)
+
+
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
+async def test_a_log_swapped_for_a_link_is_not_followed(store, gateway_url, preload, tmp_path, monkeypatch):  # noqa: F811
+    """(Round 20's prober.) The controller created each log with ``O_EXCL | O_NOFOLLOW`` and then opened it again by
+    its path, as root, following links and truncating (exec: ``open(path, "wb")``; preload: in the forked run,
+    before it became the harness user). A harness user that could write the log directory swapped a sibling's new
+    log for a link to ``/etc/passwd`` between the two and had root write its output there. The run now gets the
+    descriptor the controller created (the forked run through the forkserver's socket), and no path is opened
+    again; here the swap is made at the worst moment, every time."""
+    from agl_controller import spawn
+
+    if preload:
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    script = tmp_path / "loud.py"
+    script.write_text("print('written by the harness')\n")
+
+    def swapped(path):
+        fd = spawn.create_log(path)
+        os.unlink(path)
+        os.symlink(victim, path)
+        return fd
+
+    monkeypatch.setattr("agl_controller.local.create_log", swapped)
+    runner = LocalRunner(store, gateway_url, [sys.executable, str(script)], "m", log_dir=tmp_path / "logs",
+                         preload=preload, cwd=str(tmp_path))
+    await store.create_rollout(Rollout(rollout_id="loud", input={}))
+    await runner.run_one(await store.pop_queued())
+    assert (await store.get_rollout("loud")).failure == "no_model_calls"
+    assert victim.read_text() == "precious\n"
+
+
+@as_root
+def test_run_as_refuses_a_log_directory_others_can_write(tmp_path):
+    """(Round 20's prober.) With ``--run-as`` a log directory the harness users could write (``--log-dir /tmp/x``
+    made by an earlier run's user, or mode 0777) let one run remove or replace another's log."""
+    first, last = free_uids(1, start=61400)
+    for mode in (0o777, 0o775):
+        logs = tmp_path / f"logs{mode:o}"
+        logs.mkdir()
+        logs.chmod(mode)
+        with pytest.raises(LaunchError, match="no one else can write"):
+            LocalRunner(None, "http://127.0.0.1:1", ["/bin/true"], "m", log_dir=logs, run_as=str(first),
+                        concurrency=1, cwd="/")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, first, first)
+    with pytest.raises(LaunchError, match="no one else can write"):
+        LocalRunner(None, "http://127.0.0.1:1", ["/bin/true"], "m", log_dir=theirs, run_as=str(first),
+                    concurrency=1, cwd="/")
+    LocalRunner(None, "http://127.0.0.1:1", ["/bin/true"], "m", log_dir=tmp_path / "new", run_as=str(first),
+                concurrency=1, cwd="/")

@@ -117,17 +117,17 @@ sys.exit(int(sys.argv[1]))
 DRIVER = """
 import asyncio, json, sys, time
 from pathlib import Path
-from agl_controller.spawn import Launcher
+from agl_controller.spawn import Launcher, create_log
 
 async def main(script, logs, preload):
     launcher = Launcher([sys.executable, script, "3"], preload)
     out = []
     for i, arg in enumerate(["3", "0"]):
         launcher.command[2] = arg
-        proc = await launcher.start({"X": str(i)}, str(Path(script).parent), Path(logs) / f"{i}.log")
+        proc = await launcher.start({"X": str(i)}, str(Path(script).parent), create_log(Path(logs) / f"{i}.log"))
         out.append(await proc.wait())
     launcher.command[2] = "sleep"
-    proc = await launcher.start({"X": "s"}, None, Path(logs) / "s.log")
+    proc = await launcher.start({"X": "s"}, None, create_log(Path(logs) / "s.log"))
     await asyncio.sleep(1.0)
     import os, signal
     os.killpg(proc.pid, signal.SIGKILL)
@@ -159,7 +159,7 @@ def test_launcher_runs_each_attempt_as_its_own_process(tmp_path, preload):
 
 
 def test_launcher_refuses_what_it_cannot_fork(tmp_path):
-    from agl_controller.spawn import LaunchError, Launcher
+    from agl_controller.spawn import LaunchError, Launcher, create_log
 
     with pytest.raises(LaunchError, match="no_such_module_xyz"):
         Launcher([sys.executable, "agent.py"], ["no_such_module_xyz"])
@@ -170,7 +170,7 @@ def test_launcher_refuses_what_it_cannot_fork(tmp_path):
     assert Launcher(["/bin/true"], []).mode == "exec"  # without preload any command is fine
 
     async def missing():
-        await Launcher([sys.executable, "nope.py"], ["json"]).start({}, str(tmp_path), tmp_path / "x.log")
+        await Launcher([sys.executable, "nope.py"], ["json"]).start({}, str(tmp_path), create_log(tmp_path / "x.log"))
 
     with pytest.raises(FileNotFoundError):
         asyncio.run(missing())

@@ -204,6 +204,8 @@ class LocalRunner(Runner):
         self.users = harness_users(run_as, concurrency) if run_as is not None else []
         for user in self.users:
             check_user_runs(user, self.command, self.cwd)
+        if self.users:
+            self._check_log_dir()
         self._free_users: asyncio.Queue[HarnessUser] = asyncio.Queue()
         for user in self.users:
             self._free_users.put_nowait(user)
@@ -220,6 +222,17 @@ class LocalRunner(Runner):
         self._interrupted: set[tuple[str, str]] = set()  # attempts whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+
+    def _check_log_dir(self) -> None:
+        """With run-as users: the log directory (made if missing) must be this user's and writable by no one else
+        (a harness user that could write it replaced or removed other runs' logs). Raises :class:`LaunchError`."""
+        import stat
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(self.log_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise LaunchError(f"run-as: the log directory {self.log_dir} must be a directory of this user's that no one "
+                              f"else can write (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
 
     @staticmethod
     def _own(env: dict[str, str], user: HarnessUser | None) -> dict[str, str]:
@@ -390,7 +403,7 @@ class LocalRunner(Runner):
         log_fd = -1
         try:
             log_fd = create_log(log_path)
-            proc = await self.launcher.start(env, self.cwd, log_path, user)
+            proc = await self.launcher.start(env, self.cwd, log_fd, user)
         except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
             # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
             log.warning("cannot start %s: %s", redacted_text(shlex.join(self.command)), redacted_text(repr(exc)))

@@ -331,15 +331,14 @@ def _drop_inherited_fds() -> None:
     os.closerange(3, limit if limit > 3 else 1 << 16)
 
 
-def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str,
+def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_fd: int,
                 user: HarnessUser | None = None) -> None:
     """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``), as ``user``
     if set (after its log is open)."""
     os.setsid()  # its own process group, like exec mode: the runner kills the group
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    os.dup2(log_fd, 1)  # the file the controller created and watches, never re-opened by its path (round 20)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
     if user is not None:
         _become(user)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -374,6 +373,23 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_path:
     if interrupted:  # end as CPython ends on an uncaught KeyboardInterrupt: killed by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
+
+
+class _PassedFd:
+    """A descriptor of this process handed to a forked run as itself: pickled for the forkserver with
+    ``multiprocessing.reduction.DupFd`` (sent over its socket with ``SCM_RIGHTS``), a plain ``int`` in the run."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _PassedFd._detach, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _detach(dup) -> int:
+        return dup.detach()
 
 
 def create_log(log_path: Path) -> int:
@@ -519,17 +535,17 @@ class Launcher:
     def mode(self) -> str:
         return "preload" if self.preload else "exec"
 
-    async def start(self, env: dict[str, str], cwd: str | None, log_path: Path,
+    async def start(self, env: dict[str, str], cwd: str | None, log_fd: int,
                     user: HarnessUser | None = None) -> ExecProcess | ForkedProcess:
-        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to ``log_path``, as
-        ``user`` if given (no supplementary groups).
+        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to the open file
+        ``log_fd`` (:func:`create_log`'s: handed over as it is, never opened again by a path another user could have
+        swapped for a link), as ``user`` if given (no supplementary groups).
 
         Raises ``OSError`` (e.g. :class:`LaunchError`, ``FileNotFoundError``) if it cannot start.
         """
         if self._ctx is None:
-            with open(log_path, "wb") as logf:
-                proc = await asyncio.create_subprocess_exec(
-                    *self.command, env=env, stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
+            proc = await asyncio.create_subprocess_exec(
+                    *self.command, env=env, stdout=log_fd, stderr=log_fd, stdin=asyncio.subprocess.DEVNULL,
                     cwd=cwd, start_new_session=True,
                     **({"user": user.uid, "group": user.gid, "extra_groups": []} if user else {}))
             return ExecProcess(proc)
@@ -537,7 +553,7 @@ class Launcher:
             script = Path(cwd or ".") / self.command[1]
             if not script.is_file():
                 raise FileNotFoundError(f"harness script {script} not found")
-        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, str(log_path), user),
+        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, _PassedFd(log_fd), user),
                                  daemon=False)
         if self._env is not None:
             # a forkserver that died (killed by a harness, the OOM killer) is started again by the next
