@@ -167,23 +167,37 @@ def test_a_controller_refuses_users_another_holds_in_one_line(tmp_path):
 async def test_the_engines_key_never_reaches_the_agent_in_what_the_engine_says(store, redis_url, prefix):
     """An engine (or a proxy before it) that echoes the request's ``Authorization`` in its error messages handed the
     agent the key that opens every route of the engine: the gateway relays an engine's 400 message and a stream's
-    error event as the engine wrote them. The key is masked in every body the gateway sends."""
-    key = 'engine-s3cret"k'
-    said = f"bad request (Authorization: Bearer {key})"
+    error event as the engine wrote them. The key is masked in every body the gateway sends; and (round 20's prober)
+    so is a prefix of it where the gateway cut a long message inside the key (1000 characters for an error, 300 for
+    an event), and a key holds no character a quoting would escape (a repr'd message doubled a backslash)."""
+    from agl_gateway.settings import GatewaySettings
+    from pydantic import ValidationError
+
+    key = "ek-0123456789abcdefghijklmnopqrstuvwxyz"
     app = fake_upstream()
     await make_rollout(store, "r1")
+    seen = []
     with Served(app) as up, gateway(redis_url, prefix, up.url, upstream_key=key) as gw:
         async with httpx.AsyncClient(timeout=30) as c:
-            app.state.plan = ("body", 400, orjson.dumps({"error": {"message": said}}))
-            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
-            assert r.status_code == 400 and "bad request (Authorization: Bearer" in r.text, r.text
-            event = {"error": {"message": said}}
-            app.state.plan = ("stream", [b"data: " + orjson.dumps(event) + b"\n\n"], "done")
-            s = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={**MSG, "stream": True})
-            assert "Authorization: Bearer" in s.text, s.text
-    for text in (r.text, s.text):
-        assert "s3cret" not in text, text
-    assert len(r.content) == int(r.headers["content-length"])
+            for pad in (0, 975, 1000 - len("Bearer ") - len(key) + 1, 1000 - len("Bearer ") - 9):
+                said = "x" * pad + f"Bearer {key}"
+                app.state.plan = ("body", 400, orjson.dumps({"error": {"message": said}}))
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
+                assert r.status_code == 400 and "Bearer ek-0123" not in r.text and "Bearer ***" in r.text, r.text
+                assert len(r.content) == int(r.headers["content-length"])
+                seen.append(r.text)
+            app.state.plan = ("body", 400, orjson.dumps({"error": {"message": {"authorization": f"Bearer {key}"}}}))
+            seen.append((await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)).text)
+            for pad in (0, 270):
+                event = {"error": {"message": "y" * pad + f"Bearer {key}"}}
+                app.state.plan = ("stream", [b"data: " + orjson.dumps(event) + b"\n\n"], "done")
+                s = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={**MSG, "stream": True})
+                assert "Bearer ***" in s.text, s.text
+                seen.append(s.text)
+    assert not [t for t in seen if key[:8] in t], seen
+    for bad in ('engine-s3cret"k', "ek\\slash", "k ey", "ké"):
+        with pytest.raises(ValidationError):
+            GatewaySettings(upstream="http://127.0.0.1:1", upstream_key=bad)
 
 
 
@@ -377,3 +391,28 @@ def test_run_as_refuses_a_log_directory_others_can_write(tmp_path):
                     concurrency=1, cwd="/")
     LocalRunner(None, "http://127.0.0.1:1", ["/bin/true"], "m", log_dir=tmp_path / "new", run_as=str(first),
                 concurrency=1, cwd="/")
+
+
+@as_root
+async def test_a_user_whose_processes_cannot_be_ended_stops_the_controller(store, gateway_url, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    """(Round 20's prober.) A user whose processes outlived every round of the sweep (one stuck in the kernel) was
+    kept out of the pool for good; once every user was out, claimed rollouts waited for one for ever. The controller
+    now stops (its running rollouts are handed back to the queue by its shutdown) rather than run on short of users."""
+    first, last = free_uids(2, start=61500)
+    calls = []
+
+    def stuck(uids):
+        calls.append(list(uids))
+        if len(calls) > 1:  # (the first call is the start's sweep)
+            raise RuntimeError("processes of uid 61500 remain after 200 rounds of SIGKILL")
+        return 0
+
+    monkeypatch.setattr("agl_controller.local.end_user_processes", stuck)
+    runner = LocalRunner(store, gateway_url, ["/bin/true"], "m", log_dir=tmp_path / "logs", run_as=f"{first}-{last}",
+                         concurrency=2, cwd="/")
+    await store.create_rollout(Rollout(rollout_id="one"))
+    stop = asyncio.Event()
+    await asyncio.wait_for(runner.run_forever(stop), 60)
+    assert stop.is_set() and len(calls) == 2
+    assert (await store.get_rollout("one")).failure == "no_model_calls"

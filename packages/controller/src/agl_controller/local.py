@@ -222,6 +222,7 @@ class LocalRunner(Runner):
         self._interrupted: set[tuple[str, str]] = set()  # attempts whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._stop: asyncio.Event | None = None  # run_forever's
 
     def _check_log_dir(self) -> None:
         """With run-as users: the log directory (made if missing) must be this user's and writable by no one else
@@ -246,8 +247,11 @@ class LocalRunner(Runner):
         the next run; one whose processes outlive that is not used again (logged)."""
         try:
             sent = await asyncio.to_thread(end_user_processes, [user.uid])
-        except RuntimeError as exc:
-            log.error("%s: user %s is not used again by this controller", exc, user.name)
+        except RuntimeError as exc:  # (a process stuck in the kernel): no run may become that user again, and runs
+            # waiting for a user would wait for ever: this controller stops (its running rollouts are handed back)
+            log.error("%s: user %s cannot be used again; stopping this controller", exc, user.name)
+            if self._stop is not None:
+                self._stop.set()
             return
         if sent:
             log.info("ended %d process(es) of %s after its run", sent, user.name)
@@ -260,6 +264,7 @@ class LocalRunner(Runner):
         reconciles every ``lease_ttl_s`` s.
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._stop = stop
         locks = UserLocks(self.users)  # (LaunchError: another controller of this machine uses one of them)
         try:
             named = [u for u in self.users if not u.anonymous]

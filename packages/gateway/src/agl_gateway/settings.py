@@ -32,9 +32,10 @@ class GatewaySettings(CommonSettings):
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
-    upstream_key: str | None = Field(default=None, min_length=1, pattern=r"^[!-~]+$", description=(
+    upstream_key: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._~+/=:-]+$", description=(
         "the engine's API key, sent as `Authorization: Bearer` on every engine request (environment only: a "
-        "command line is public)"))
+        "command line is public); letters, digits and `._~+/=:-` (characters no JSON or Python quoting escapes: "
+        "the gateway masks it in what it answers)"))
     upstream_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description=(
         "seconds one engine call may take (0, negative or NaN would mean none: a hung engine held its calls, "
         "and every drain, for ever)"))
