@@ -416,3 +416,14 @@ async def test_a_user_whose_processes_cannot_be_ended_stops_the_controller(store
     await asyncio.wait_for(runner.run_forever(stop), 60)
     assert stop.is_set() and len(calls) == 2
     assert (await store.get_rollout("one")).failure == "no_model_calls"
+
+
+def test_a_controller_without_run_as_users_makes_no_lock_directory(monkeypatch):
+    """Every local controller takes its users' locks at start: without ``--run-as`` it must not make (or check, and
+    refuse over) a lock directory: a non-root controller would fall back to one under ``/tmp`` that anyone can
+    squat."""
+    def no(*a):
+        raise AssertionError("the lock directory was looked for")
+
+    monkeypatch.setattr("agl_controller.spawn._lock_dir", no)
+    UserLocks([]).close()

@@ -206,6 +206,8 @@ class UserLocks:
         import fcntl
 
         self._fds: list[int] = []
+        if not users:  # (no directory is made or checked without run-as users)
+            return
         folder = _lock_dir()
         try:
             for user in users:
