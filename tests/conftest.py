@@ -99,5 +99,5 @@ def engine(services, base_model):
     url = os.environ.get("AGL_TEST_ENGINE_URL")
     if url:
         return url
-    key = os.environ[ENGINE_KEY_ENV] = secrets.token_urlsafe(16)
+    key = os.environ[ENGINE_KEY_ENV] = "agl-" + secrets.token_urlsafe(16)
     return services.start_vllm(base_model, "smollm2", timeout_s=900, api_key=key)

@@ -169,7 +169,8 @@ async def test_the_engines_key_never_reaches_the_agent_in_what_the_engine_says(s
     agent the key that opens every route of the engine: the gateway relays an engine's 400 message and a stream's
     error event as the engine wrote them. The key is masked in every body the gateway sends; and (round 20's prober)
     so is a prefix of it where the gateway cut a long message inside the key (1000 characters for an error, 300 for
-    an event), and a key holds no character a quoting would escape (a repr'd message doubled a backslash)."""
+    an event), and a key holds no character a quoting would escape (a repr'd message doubled a backslash), nor
+    begins with 8 characters of a JSON number (a masked number would break an answer)."""
     from agl_gateway.settings import GatewaySettings
     from pydantic import ValidationError
 
@@ -195,7 +196,10 @@ async def test_the_engines_key_never_reaches_the_agent_in_what_the_engine_says(s
                 assert "Bearer ***" in s.text, s.text
                 seen.append(s.text)
     assert not [t for t in seen if key[:8] in t], seen
-    for bad in ('engine-s3cret"k', "ek\\slash", "k ey", "ké"):
+    # (round 20's second prober) the call records kept the engine's message whole: the dashboard and exports showed it
+    errors = [c.error for c in await store.read_calls("r1")]
+    assert len(errors) == len(seen) and all(errors) and not [e for e in errors if key[:8] in e], errors
+    for bad in ('engine-s3cret"k', "ek\\slash", "k ey", "ké", "ek:colon", "12345678abc", "1e-5.000xyz"):
         with pytest.raises(ValidationError):
             GatewaySettings(upstream="http://127.0.0.1:1", upstream_key=bad)
 

@@ -28,7 +28,7 @@ from .otel import tracer_from_env
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
 from .state import GatewayState
-from .upstream import current_policy
+from .upstream import current_policy, mask_key
 
 log = logging.getLogger("agl.gateway")
 
@@ -87,8 +87,8 @@ class RequestMetrics:
 class HideEngineKey:
     """Pure ASGI middleware: the engine's key (``upstream_key``) is masked, byte for byte (``*``, the same length:
     a ``Content-Length`` stays right), in every response body the gateway sends — the whole key, and any prefix of
-    it of :data:`KEY_PREFIX_MASKED` characters or more (the gateway cuts long engine messages: a key that straddled
-    the cut reached the agent less its last characters). The engine's messages reach the agent (a 400
+    it of :data:`~.upstream.KEY_PREFIX_MASKED` characters or more (:func:`~.upstream.mask_key`: the gateway cuts
+    long engine messages, and a key that straddled the cut reached the agent less its last characters). The engine's messages reach the agent (a 400
     ``upstream_rejected`` names what the engine said; a stream's error event is relayed): an engine, or a proxy
     before it, that echoes the request's ``Authorization`` handed the agent the key that opens every route of the
     engine (round 20). The key's characters are ones no JSON or Python quoting escapes (``GatewaySettings``), and
@@ -97,22 +97,6 @@ class HideEngineKey:
     def __init__(self, app, key: str):
         self.app = app
         self.key = key.encode()
-        self.head = self.key[:KEY_PREFIX_MASKED]
-
-    def mask(self, body: bytes) -> bytes:
-        """``body`` with every occurrence of the key, or of a prefix of it at least ``len(self.head)`` long,
-        turned into ``*``s."""
-        start = body.find(self.head)
-        if start < 0:
-            return body
-        out = bytearray(body)
-        while start >= 0:
-            end = start + len(self.head)
-            while end < len(body) and end - start < len(self.key) and body[end] == self.key[end - start]:
-                end += 1
-            out[start:end] = b"*" * (end - start)
-            start = body.find(self.head, end)
-        return bytes(out)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -120,14 +104,11 @@ class HideEngineKey:
 
         async def masked(message):
             if message["type"] == "http.response.body":
-                message["body"] = self.mask(message.get("body", b""))
+                message["body"] = mask_key(message.get("body", b""), self.key)
             await send(message)
 
         await self.app(scope, receive, masked)
 
-
-#: The shortest prefix of the engine's key :class:`HideEngineKey` masks (a shorter key is masked whole).
-KEY_PREFIX_MASKED = 8
 
 
 #: Endpoints taken by :class:`RequestMetrics`'s short cut: ``async def f(request) -> Response``.

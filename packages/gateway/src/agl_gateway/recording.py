@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from .capture import Captured, check, sent_prompt_ids
 from .errors import ApiError, store_down
 from .state import GatewayState
+from .upstream import mask_key
 
 log = logging.getLogger("agl.gateway")
 
@@ -76,6 +77,8 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     same order, ``"seq":-1`` third, replaced by the store's script), without building the model.
     """
     t0 = time.perf_counter()
+    if rec.get("error") and st.settings.upstream_key:  # the engine's words, as the agent got them: without its key
+        rec["error"] = mask_key(rec["error"].encode(), st.settings.upstream_key.encode()).decode()
     try:
         payload = orjson.dumps(rec)
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer

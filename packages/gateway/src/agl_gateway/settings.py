@@ -32,10 +32,11 @@ class GatewaySettings(CommonSettings):
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
-    upstream_key: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._~+/=:-]+$", description=(
+    upstream_key: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._~+/=-]+$", description=(
         "the engine's API key, sent as `Authorization: Bearer` on every engine request (environment only: a "
-        "command line is public); letters, digits and `._~+/=:-` (characters no JSON or Python quoting escapes: "
-        "the gateway masks it in what it answers)"))
+        "command line is public); letters, digits and `._~+/=-` (characters no JSON or Python quoting escapes: "
+        "the gateway masks it, and any prefix of 8 characters or more, in what it answers and records), with a "
+        "letter other than e/E or one of `_~/=` among its first 8 (never part of a JSON number)"))
     upstream_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description=(
         "seconds one engine call may take (0, negative or NaN would mean none: a hung engine held its calls, "
         "and every drain, for ever)"))
@@ -75,6 +76,16 @@ class GatewaySettings(CommonSettings):
         """The admin key travels in an HTTP header: printable ASCII only (else no client could present it)."""
         if v is not None and not (v and v.isascii() and v.isprintable() and v.strip() == v):
             raise ValueError("the admin key must be non-empty printable ASCII without surrounding spaces")
+        return v
+
+    @field_validator("upstream_key")
+    @classmethod
+    def _maskable_key(cls, v: str | None) -> str | None:
+        """The key's first 8 characters (what the gateway masks as a prefix, agl_gateway.upstream.mask_key) must not
+        all be characters of a JSON number: a masked number (token ids, counts) would break an answer or a record."""
+        if v is not None and not set(v[:8]) - set("0123456789.+-eE"):
+            raise ValueError("upstream_key: its first 8 characters must hold a letter other than e/E, or one of _~/= "
+                             "(digits alone would mask numbers in the answers)")
         return v
 
     @model_validator(mode="after")

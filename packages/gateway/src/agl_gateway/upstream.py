@@ -44,6 +44,29 @@ async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     return bytes(body)
 
 
+#: The shortest prefix of the engine's key :func:`mask_key` masks (a shorter key is masked whole).
+KEY_PREFIX_MASKED = 8
+
+
+def mask_key(data: bytes, key: bytes) -> bytes:
+    """``data`` with every occurrence of the engine's ``key``, or of a prefix of it :data:`KEY_PREFIX_MASKED`
+    characters long or more, turned into as many ``*`` (the length kept: a ``Content-Length`` stays right). Used on
+    every body the gateway answers (``app.HideEngineKey``) and every call record's error (``recording.write``):
+    an engine that echoes ``Authorization`` in its messages, whole or where the gateway cut them (round 20)."""
+    head = key[:KEY_PREFIX_MASKED]
+    start = data.find(head)
+    if start < 0:
+        return data
+    out = bytearray(data)
+    while start >= 0:
+        end = start + len(head)
+        while end < len(data) and end - start < len(key) and data[end] == key[end - start]:
+            end += 1
+        out[start:end] = b"*" * (end - start)
+        start = data.find(head, end)
+    return bytes(out)
+
+
 def _engine_message(status: int, content: bytes) -> str:
     try:
         data = orjson.loads(content)

@@ -107,7 +107,7 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
     t = time.perf_counter()
     # every route of the engine asks for a key of this run's: this process and the gateway and controller it starts
     # send it (their environment); a harness gets neither (docs/controller.md, "Harnesses you do not trust")
-    key = os.environ[ENGINE_KEY_ENV] = secrets.token_urlsafe(32)
+    key = os.environ[ENGINE_KEY_ENV] = "agl-" + secrets.token_urlsafe(32)  # (a letter first: maskable, see the gateway)
     ranks = [cfg.lora_rank] + [rc.lora_rank for rc in cfg.roles.values() if rc.lora_rank]
     engine = svc.start_vllm(base, cfg.model_name, timeout_s=cfg.engine_startup_timeout_s, dtype=cfg.dtype, lora=lora,
                             max_lora_rank=next(r for r in (16, 32, 64, 128, 256, 512) if r >= max(ranks)),
