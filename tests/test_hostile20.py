@@ -431,3 +431,46 @@ def test_a_controller_without_run_as_users_makes_no_lock_directory(monkeypatch):
 
     monkeypatch.setattr("agl_controller.spawn._lock_dir", no)
     UserLocks([]).close()
+
+
+CLONE_PARENT = """import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+for _ in range(20):  # clone(CLONE_PARENT | SIGCHLD): a child of the harness's parent, the controller
+    if libc.syscall(56, 0x8000 | 17, 0, 0, 0, 0) == 0:
+        os._exit(0)
+if libc.syscall(56, 0x8000 | 17, 0, 0, 0, 0) == 0:
+    time.sleep(60)  # (one still running when the run ends: the sweep kills it)
+    os._exit(0)
+time.sleep(0.3)
+"""
+
+
+def zombies_of_mine(uid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(f"/proc/{entry.name}/status").read_text()
+            except OSError:
+                continue
+            f = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if f["PPid"].strip() == str(os.getpid()) and f["State"].strip().startswith("Z") and \
+                    f["Uid"].split()[0] == str(uid):
+                found.append(int(entry.name))
+    return found
+
+
+@as_root
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs a Python another user can run")
+async def test_processes_a_run_made_the_controllers_children_are_reaped(store, gateway_url, tmp_path):  # noqa: F811
+    """(Round 20's second prober.) A harness can make its processes the controller's own children
+    (``clone(CLONE_PARENT)``); exited or killed by the sweep they stayed zombies of the controller for ever (asyncio
+    waits only for the pids it started): a run could fill the machine's pid space. They are reaped with the sweep."""
+    uid, _ = free_uids(1, start=61600)
+    runner = LocalRunner(store, gateway_url, ["/usr/bin/python3", "-c", CLONE_PARENT], "m", log_dir=tmp_path / "logs",
+                         run_as=str(uid), concurrency=1, cwd="/")
+    await store.create_rollout(Rollout(rollout_id="cp"))
+    await runner.run_one(await store.pop_queued())
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
+    assert (await store.get_rollout("cp")).failure == "no_model_calls", logs
+    assert zombies_of_mine(uid) == [] and user_processes([uid]) == []

@@ -44,7 +44,7 @@ from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
 from .spawn import ANONYMOUS_HOME, HarnessUser, LaunchError, Launcher, UserLocks, check_user_runs, create_log, \
-    end_user_processes, harness_users, user_processes
+    end_user_processes, harness_users, reap_zombies_of, user_processes
 
 log = logging.getLogger("agl.controller")
 
@@ -255,6 +255,7 @@ class LocalRunner(Runner):
             return
         if sent:
             log.info("ended %d process(es) of %s after its run", sent, user.name)
+        await asyncio.to_thread(reap_zombies_of, [user.uid])  # (made this controller's children: CLONE_PARENT)
         self._free_users.put_nowait(user)
 
     async def run_forever(self, stop: asyncio.Event) -> None:

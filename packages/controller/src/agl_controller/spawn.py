@@ -195,6 +195,31 @@ def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
     raise RuntimeError(f"processes of uid {', '.join(sorted(wanted))} remain after {rounds} rounds of SIGKILL")
 
 
+def reap_zombies_of(uids: Collection[int]) -> int:
+    """Reap (``waitpid``) the zombie children of this process that belong to ``uids`` and return how many: a harness
+    can make its processes this controller's children (``clone(CLONE_PARENT)``); killed by the sweep, they stayed
+    zombies for ever (asyncio waits only for the pids it started): 100 after two runs, and a run could fill the
+    machine's pid space (round 20). Call it once a user's processes are ended (:func:`end_user_processes`) and the
+    run's own process has been waited for."""
+    wanted = {str(uid) for uid in uids}
+    me = str(os.getpid())
+    reaped = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry.name}/status").read_text().splitlines()
+                          if ":" in line)
+        except (OSError, ValueError):
+            continue
+        if fields.get("PPid", "").strip() == me and fields.get("State", "").strip().startswith("Z") and \
+                wanted.intersection(fields.get("Uid", "").split()):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(int(entry.name), os.WNOHANG)[0]:
+                    reaped += 1
+    return reaped
+
+
 class UserLocks:
     """An exclusive lock on each user of a pool, held while a controller uses them: two controllers of one machine
     given the same users would end each other's runs (:func:`end_user_processes`). The locks are ``flock``s on files
