@@ -398,28 +398,61 @@ def test_run_as_refuses_a_log_directory_others_can_write(tmp_path):
 
 
 @as_root
-async def test_a_user_whose_processes_cannot_be_ended_stops_the_controller(store, gateway_url, tmp_path,  # noqa: F811
-                                                                          monkeypatch):
-    """(Round 20's prober.) A user whose processes outlived every round of the sweep (one stuck in the kernel) was
-    kept out of the pool for good; once every user was out, claimed rollouts waited for one for ever. The controller
-    now stops (its running rollouts are handed back to the queue by its shutdown) rather than run on short of users."""
+async def test_a_user_whose_processes_cannot_be_ended_is_set_aside(store, gateway_url, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    """(Round 20's probers.) A user whose processes outlived every round of the sweep was kept out of the pool for
+    good; once every user was out, claimed rollouts waited for one for ever. Such a user is set aside and the runs go
+    on with the rest of the pool; with none left the controller stops (its running rollouts are handed back)."""
     first, last = free_uids(2, start=61500)
     calls = []
 
     def stuck(uids):
         calls.append(list(uids))
         if len(calls) > 1:  # (the first call is the start's sweep)
-            raise RuntimeError("processes of uid 61500 remain after 200 rounds of SIGKILL")
+            raise RuntimeError(f"processes of uid {uids[0]} remain after 200 rounds of SIGKILL")
         return 0
 
     monkeypatch.setattr("agl_controller.local.end_user_processes", stuck)
     runner = LocalRunner(store, gateway_url, ["/bin/true"], "m", log_dir=tmp_path / "logs", run_as=f"{first}-{last}",
-                         concurrency=2, cwd="/")
-    await store.create_rollout(Rollout(rollout_id="one"))
+                         concurrency=1, cwd="/")
+    for rid in ("one", "two"):
+        await store.create_rollout(Rollout(rollout_id=rid))
     stop = asyncio.Event()
     await asyncio.wait_for(runner.run_forever(stop), 60)
-    assert stop.is_set() and len(calls) == 2
-    assert (await store.get_rollout("one")).failure == "no_model_calls"
+    assert stop.is_set() and sorted(c[0] for c in calls[1:]) == [first, last]
+    for rid in ("one", "two"):
+        assert (await store.get_rollout(rid)).failure == "no_model_calls"
+
+
+@as_root
+def test_a_process_stuck_on_its_own_fuse_filesystem_is_ended(tmp_path):
+    """(Round 20's second prober.) A harness in a user and mount namespace of its own (unprivileged, where the
+    machine allows them and ``/dev/fuse`` is open to all) mounted a FUSE filesystem it served itself and never
+    answered one of its own lookups: that thread waited uninterruptibly, SIGKILL could not end the process, the sweep
+    gave up and the user was lost (and a new controller could not start). The sweep aborts such connections."""
+    import shutil
+
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler to build the FUSE harness")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK) or os.stat("/dev/fuse").st_mode & 0o006 != 0o006:
+        pytest.skip("/dev/fuse is not open to other users here: a harness cannot mount FUSE")
+    uid, _ = free_uids(1, start=61700)
+    with open_dir(0o755) as folder:  # (tmp_path's parents are closed to other users)
+        exe = folder / "fuse_stuck"
+        subprocess.run(["cc", "-O1", "-pthread", "-o", str(exe), str(HARNESSES / "fuse_stuck.c")], check=True,
+                       capture_output=True, timeout=120)
+        with open(folder / "out", "w") as log:  # (not a pipe: the stuck child would hold it open)
+            subprocess.run([str(exe)], user=uid, group=uid, extra_groups=[], stdout=log, stderr=log, timeout=30,
+                           cwd="/")
+        deadline = time.monotonic() + 10
+        while "not answering" not in (said := (folder / "out").read_text()):
+            if "unshare" in said or "mount fuse" in said or "/dev/fuse" in said:
+                pytest.skip(f"this machine refuses the FUSE harness: {said.strip()[:200]}")
+            assert time.monotonic() < deadline, said
+            time.sleep(0.1)
+    assert user_processes([uid])  # its lookup waits on itself: once killed, uninterruptibly
+    assert end_user_processes([uid]) >= 1
+    assert user_processes([uid]) == []
 
 
 def test_a_controller_without_run_as_users_makes_no_lock_directory(monkeypatch):

@@ -223,6 +223,7 @@ class LocalRunner(Runner):
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._stop: asyncio.Event | None = None  # run_forever's
+        self._lost_users: list[HarnessUser] = []  # users whose processes could not be ended
 
     def _check_log_dir(self) -> None:
         """With run-as users: the log directory (made if missing) must be this user's and writable by no one else
@@ -247,10 +248,14 @@ class LocalRunner(Runner):
         the next run; one whose processes outlive that is not used again (logged)."""
         try:
             sent = await asyncio.to_thread(end_user_processes, [user.uid])
-        except RuntimeError as exc:  # (a process stuck in the kernel): no run may become that user again, and runs
-            # waiting for a user would wait for ever: this controller stops (its running rollouts are handed back)
-            log.error("%s: user %s cannot be used again; stopping this controller", exc, user.name)
-            if self._stop is not None:
+        except RuntimeError as exc:  # (a process stuck in the kernel): no run may become that user again; the
+            # others go on with the rest of the pool, and with none left this controller stops (its running rollouts
+            # are handed back): runs waiting for a user would wait for ever
+            self._lost_users.append(user)
+            left = len(self.users) - len(self._lost_users)
+            log.error("%s: user %s is not used again (%d of the pool left)%s", exc, user.name, left,
+                      "" if left else "; stopping this controller")
+            if not left and self._stop is not None:
                 self._stop.set()
             return
         if sent:
@@ -276,7 +281,10 @@ class LocalRunner(Runner):
                                   "of a run's user is ended with the run): end them, or use a range of uids without "
                                   "users")
             if self.users:  # what runs of a controller that died left running as an anonymous uid
-                await asyncio.to_thread(end_user_processes, [u.uid for u in self.users])
+                try:
+                    await asyncio.to_thread(end_user_processes, [u.uid for u in self.users])
+                except RuntimeError as exc:
+                    raise LaunchError(f"run-as: {exc} (left by an earlier run): end them, or use other uids") from None
             await self._run_forever(stop)
         finally:
             locks.close()

@@ -167,12 +167,14 @@ def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
     signalled through it, so a pid reused by another process meanwhile is never hit. Rounds repeat until one finds
     none (a process that forked between two scans is found by the next; one dying is seen again until it is a
     zombie); zombies are skipped, but not a zombie leader whose other threads live (:func:`_uids_of`): the signal
-    to it kills them all. Needs the right to signal them (root).
+    to it kills them all. A process that outlives :data:`FUSE_ABORT_ROUND` rounds may wait on a FUSE filesystem it
+    serves itself (mounted in a user and mount namespace of its own: SIGKILL cannot end that wait): such connections
+    are aborted (:func:`_abort_own_fuse`). Needs the right to signal them (root).
     Raises ``RuntimeError`` if processes of ``uids`` remain after ``rounds`` rounds (~10 ms apart)."""
     wanted = {str(uid) for uid in uids}
     sent = 0
-    for _ in range(rounds):
-        found = 0
+    for round_no in range(rounds):
+        found: list[int] = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -183,16 +185,67 @@ def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
             try:
                 if wanted.intersection(_uids_of(entry.name) or ()):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    found += 1
+                    found.append(int(entry.name))
             except OSError:  # exited meanwhile
                 pass
             finally:
                 os.close(fd)
-        sent += found
+        sent += len(found)
         if not found:
             return sent
+        if round_no % FUSE_ABORT_ROUND == FUSE_ABORT_ROUND - 1:
+            _abort_own_fuse(found)
         time.sleep(0.01)
     raise RuntimeError(f"processes of uid {', '.join(sorted(wanted))} remain after {rounds} rounds of SIGKILL")
+
+
+#: Every this many rounds of :func:`end_user_processes` with processes left, their own FUSE connections are aborted.
+FUSE_ABORT_ROUND = 20
+#: Where the kernel's FUSE control filesystem (``fusectl``) is mounted (mounted there when needed).
+FUSE_CONNECTIONS = Path("/sys/fs/fuse/connections")
+
+
+def _fuse_devices(mountinfo: str) -> set[int]:
+    """The device numbers of the FUSE mounts listed in a ``/proc/<pid>/mountinfo`` text."""
+    devices = set()
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if right.split()[:1] and (right.split()[0] == "fuse" or right.split()[0].startswith("fuse.")) and \
+                len(fields) > 2:
+            major, _, minor = fields[2].partition(":")
+            with contextlib.suppress(ValueError):
+                devices.add(os.makedev(int(major), int(minor)))
+    return devices
+
+
+def _abort_own_fuse(pids: list[int]) -> int:
+    """Abort the FUSE connections mounted in the namespaces of ``pids`` that this process's own mount namespace does
+    not hold (those a harness mounted in a namespace of its own; never the machine's, such as lxcfs), through
+    ``fusectl`` (mounted at :data:`FUSE_CONNECTIONS` if it is not). Returns how many were aborted."""
+    import subprocess
+
+    try:
+        ours = _fuse_devices(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return 0
+    theirs: set[int] = set()
+    for pid in pids:  # (every task's view: a zombie leader has none of its own)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    theirs |= _fuse_devices(Path(f"/proc/{pid}/task/{task}/mountinfo").read_text())
+    theirs -= ours
+    if not theirs:
+        return 0
+    if not os.path.ismount(FUSE_CONNECTIONS):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSE_CONNECTIONS)], capture_output=True, timeout=10)
+    aborted = 0
+    for dev in theirs:
+        with contextlib.suppress(OSError):
+            (FUSE_CONNECTIONS / str(dev) / "abort").write_text("1")
+            aborted += 1
+    return aborted
 
 
 def reap_zombies_of(uids: Collection[int]) -> int:
