@@ -446,17 +446,20 @@ async def test_a_run_that_ended_in_time_is_not_a_timeout_when_the_controller_loo
     import time
 
     from agl_controller.local import LocalRunner
-    from agl_controller.spawn import create_log
+    from agl_controller.spawn import RunLog, create_log
 
     runner = LocalRunner(store, "http://127.0.0.1:9", ["true"], "m", timeout_s=5, log_dir=tmp_path)
     fd = create_log(tmp_path / "x.log")
+    log = RunLog(fd, runner.max_log_bytes)
     try:
-        proc = await runner.launcher.start(dict(os.environ), str(tmp_path), fd)
+        proc = await runner.launcher.start(dict(os.environ), str(tmp_path), log.write_fd)
+        log.started()
         waiter = asyncio.ensure_future(proc.wait())
         await asyncio.wait_for(asyncio.shield(waiter), 10)
         # the controller looks only now, as if it had been stopped for 7 s after the start
-        assert await runner._watch(proc, waiter, fd, time.monotonic() - 7) is None
+        assert await runner._watch(proc, waiter, log, time.monotonic() - 7) is None
     finally:
+        log.close()
         os.close(fd)
 
 

@@ -507,3 +507,18 @@ async def test_processes_a_run_made_the_controllers_children_are_reaped(store, g
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
     assert (await store.get_rollout("cp")).failure == "no_model_calls", logs
     assert zombies_of_mine(uid) == [] and user_processes([uid]) == []
+
+
+async def test_a_log_takes_nothing_after_its_run_ended(store, gateway_url, tmp_path):  # noqa: F811
+    """(Round 20's second prober.) Every run's stdout was its log file itself: a run that handed that descriptor to
+    a concurrent run (a socket) or to a child that outlived it had that process write into its log after it ended,
+    past every size check (2 MB of forged lines in a probe). A run now writes into a pipe the controller copies
+    into its log; when the run ends the pipe is closed and what is left behind writes to it no more."""
+    late = "(setsid sh -c 'sleep 1; echo FORGED; echo FORGED >&2' < /dev/null &); echo from the run; exit 0"
+    runner = LocalRunner(store, gateway_url, ["/bin/sh", "-c", late], "m", log_dir=tmp_path / "logs", cwd="/")
+    await store.create_rollout(Rollout(rollout_id="late-log"))
+    await runner.run_one(await store.pop_queued())
+    assert (await store.get_rollout("late-log")).failure == "no_model_calls"
+    await asyncio.sleep(2.0)
+    (log,) = (tmp_path / "logs").glob("*")
+    assert log.read_text() == "from the run\n", log.read_text()

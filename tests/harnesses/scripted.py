@@ -43,7 +43,10 @@ for _ in range(task.get("calls", 1)):
     r.raise_for_status()
 if task.get("spew"):
     if task.get("unlink_log"):
-        os.unlink(os.readlink("/proc/self/fd/1"))
+        try:
+            os.unlink(os.readlink("/proc/self/fd/1"))
+        except OSError:  # (a pipe since round 20: the log file is the controller's alone)
+            pass
     while True:
         print("x" * 1023, flush=True)
 if task.get("kill_self"):

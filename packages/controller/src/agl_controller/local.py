@@ -43,7 +43,7 @@ from agl_common.settings import check_env_names, redacted_text
 from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
-from .spawn import ANONYMOUS_HOME, HarnessUser, LaunchError, Launcher, UserLocks, check_user_runs, create_log, \
+from .spawn import ANONYMOUS_HOME, HarnessUser, LaunchError, Launcher, RunLog, UserLocks, check_user_runs, create_log, \
     end_user_processes, harness_users, reap_zombies_of, user_processes
 
 log = logging.getLogger("agl.controller")
@@ -352,10 +352,10 @@ class LocalRunner(Runner):
         finally:
             self._sem.release()
 
-    async def _watch(self, proc, waiter: asyncio.Future, log_fd: int, t0: float) -> str | None:
+    async def _watch(self, proc, waiter: asyncio.Future, log: RunLog, t0: float) -> str | None:
         """Wait for the run to end: its failure (:func:`_outcome`), ``timeout`` past ``timeout_s`` or ``log_limit``
-        once its log (the file behind ``log_fd``, :func:`~.spawn.create_log`) holds more than ``max_log_bytes``
-        (both: the process group is killed first)."""
+        once it wrote more than ``max_log_bytes`` to its log (:class:`~.spawn.RunLog`) (both: the process group is
+        killed first)."""
         while True:
             left = self.timeout_s - (time.monotonic() - t0)
             if left <= 0:
@@ -367,18 +367,17 @@ class LocalRunner(Runner):
                 break
             with contextlib.suppress(TimeoutError):
                 return _outcome(await within(asyncio.shield(waiter), min(left, LOG_CHECK_S)))
-            with contextlib.suppress(OSError):
-                if os.fstat(log_fd).st_size > self.max_log_bytes:
-                    failure = "log_limit"
-                    break
+            if log.over:
+                failure = "log_limit"
+                break
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await waiter
-        if failure == "log_limit":  # what it wrote past the limit before the check saw it is cut, and said so
+        if failure == "log_limit":  # (the copy keeps max_log_bytes at most) said so at its end
+            await asyncio.to_thread(log.close)
             with contextlib.suppress(OSError):
-                os.ftruncate(log_fd, self.max_log_bytes)
-                os.pwrite(log_fd, f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was stopped: "
-                          "log_limit]\n".encode(), self.max_log_bytes)
+                os.pwrite(log.log_fd, f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was "
+                          "stopped: log_limit]\n".encode(), self.max_log_bytes)
         return failure
 
     async def run_one(self, rollout_id: str) -> Rollout | None:
@@ -415,12 +414,19 @@ class LocalRunner(Runner):
         log_path = self.log_dir / log_name(rollout_id, aid)
         failure: str | None = None
         log_fd = -1
+        run_log = None
         try:
             log_fd = create_log(log_path)
-            proc = await self.launcher.start(env, self.cwd, log_fd, user)
+            run_log = RunLog(log_fd, self.max_log_bytes)
+            try:
+                proc = await self.launcher.start(env, self.cwd, run_log.write_fd, user)
+            finally:
+                run_log.started()
         except Exception as exc:  # noqa: BLE001 - OSError, ValueError (an environment that cannot be one: NUL, "="
             # in a name), EOFError (a forkserver that died importing a --preload module): the run never started
             log.warning("cannot start %s: %s", redacted_text(shlex.join(self.command)), redacted_text(repr(exc)))
+            if run_log is not None:
+                await asyncio.to_thread(run_log.close)
             if log_fd >= 0:
                 os.close(log_fd)
             await release()
@@ -433,14 +439,15 @@ class LocalRunner(Runner):
         t0 = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         try:
-            failure = await self._watch(proc, waiter, log_fd, t0)
+            failure = await self._watch(proc, waiter, run_log, t0)
         finally:
-            os.close(log_fd)
             self._procs.pop((rollout_id, aid), None)
             # Reap anything the harness left behind in its group (and, run as a user, anywhere).
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await release()
+            await asyncio.shield(asyncio.to_thread(run_log.close))  # what is left behind writes to it no more
+            os.close(log_fd)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")
         if (rollout_id, aid) in self._interrupted:

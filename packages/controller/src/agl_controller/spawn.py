@@ -411,14 +411,14 @@ def _drop_inherited_fds() -> None:
     os.closerange(3, limit if limit > 3 else 1 << 16)
 
 
-def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, log_fd: int,
+def _run_python(argv: list[str], env: dict[str, str], cwd: str | None, out_fd: int,
                 user: HarnessUser | None = None) -> None:
     """In the forked child: become the harness (``argv = [python, script.py | -m module, args...]``), as ``user``
     if set (after its log is open)."""
     os.setsid()  # its own process group, like exec mode: the runner kills the group
-    os.dup2(log_fd, 1)  # the file the controller created and watches, never re-opened by its path (round 20)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    os.dup2(out_fd, 1)  # the run's log pipe (RunLog), never a file opened again by its path (round 20)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
     if user is not None:
         _become(user)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -470,6 +470,79 @@ class _PassedFd:
     @staticmethod
     def _detach(dup) -> int:
         return dup.detach()
+
+
+class RunLog:
+    """One attempt's log: the run writes into a pipe (``write_fd``, its stdout and stderr) and a thread of the
+    controller copies the pipe into the log file (``log_fd``, :func:`create_log`) up to ``limit`` bytes. A run that
+    handed its descriptor to another process (a sibling run, a child) can write to the log only while the run's
+    log is open: :meth:`close` ends the copy and closes the pipe, and later writes fail (``EPIPE``). With the log
+    file itself as the runs' stdout, a run that passed it to a concurrent one over a socket had that one write into
+    its log after it ended, past every size check (round 20).
+
+    ``over`` turns true once the run wrote more than ``limit`` bytes (what comes after is read and dropped, so the
+    run never blocks on a full pipe before it is stopped). Raises ``OSError`` if the pipe cannot be made."""
+
+    def __init__(self, log_fd: int, limit: int):
+        import threading
+
+        self.log_fd = log_fd
+        self.limit = limit
+        self.written = 0
+        self.over = False
+        self._read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._copy, name="agl-run-log", daemon=True)
+        self._thread.start()
+
+    def _read_some(self) -> bool | None:
+        """Copy what the pipe holds now: ``True`` if something was read, ``False`` at its end (every writer gone),
+        ``None`` if it is empty."""
+        try:
+            data = os.read(self._read_fd, 1 << 16)
+        except BlockingIOError:
+            return None
+        if not data:
+            return False
+        room = self.limit - self.written
+        keep = data[:max(room, 0)]
+        while keep:
+            n = os.write(self.log_fd, keep)
+            self.written += n
+            keep = keep[n:]
+        if len(data) > room:
+            self.over = True
+        return True
+
+    def _copy(self) -> None:
+        import select
+
+        poller = select.poll()
+        poller.register(self._read_fd, select.POLLIN)
+        try:
+            while not self._closing.is_set():
+                if poller.poll(100) and self._read_some() is False:
+                    return
+            while self._read_some():  # what the run wrote before it ended, and nothing after
+                pass
+        except OSError:  # the log's disk: the run goes on, its log stops
+            pass
+        finally:
+            os.close(self._read_fd)
+
+    def started(self) -> None:
+        """The run holds its own copy of ``write_fd`` now: this process's is closed (the pipe ends with the run's)."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the copy (after what the pipe holds now) and close the pipe: no one writes into this log any more.
+        Blocks up to ``timeout_s`` for the copy to end."""
+        self.started()
+        self._closing.set()
+        self._thread.join(timeout_s)
 
 
 def create_log(log_path: Path) -> int:
@@ -615,17 +688,17 @@ class Launcher:
     def mode(self) -> str:
         return "preload" if self.preload else "exec"
 
-    async def start(self, env: dict[str, str], cwd: str | None, log_fd: int,
+    async def start(self, env: dict[str, str], cwd: str | None, out_fd: int,
                     user: HarnessUser | None = None) -> ExecProcess | ForkedProcess:
-        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to the open file
-        ``log_fd`` (:func:`create_log`'s: handed over as it is, never opened again by a path another user could have
-        swapped for a link), as ``user`` if given (no supplementary groups).
+        """Start one attempt with ``env`` (the whole environment), ``cwd`` and stdout+stderr to the open descriptor
+        ``out_fd`` (:class:`RunLog`'s pipe: handed over as it is, never a path another user could have swapped for a
+        link), as ``user`` if given (no supplementary groups).
 
         Raises ``OSError`` (e.g. :class:`LaunchError`, ``FileNotFoundError``) if it cannot start.
         """
         if self._ctx is None:
             proc = await asyncio.create_subprocess_exec(
-                    *self.command, env=env, stdout=log_fd, stderr=log_fd, stdin=asyncio.subprocess.DEVNULL,
+                    *self.command, env=env, stdout=out_fd, stderr=out_fd, stdin=asyncio.subprocess.DEVNULL,
                     cwd=cwd, start_new_session=True,
                     **({"user": user.uid, "group": user.gid, "extra_groups": []} if user else {}))
             return ExecProcess(proc)
@@ -633,7 +706,7 @@ class Launcher:
             script = Path(cwd or ".") / self.command[1]
             if not script.is_file():
                 raise FileNotFoundError(f"harness script {script} not found")
-        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, _PassedFd(log_fd), user),
+        proc = self._ctx.Process(target=_run_python, args=(self.command, env, cwd, _PassedFd(out_fd), user),
                                  daemon=False)
         if self._env is not None:
             # a forkserver that died (killed by a harness, the OOM killer) is started again by the next
