@@ -522,3 +522,4 @@ async def test_a_log_takes_nothing_after_its_run_ended(store, gateway_url, tmp_p
     await asyncio.sleep(2.0)
     (log,) = (tmp_path / "logs").glob("*")
     assert log.read_text() == "from the run\n", log.read_text()
+

@@ -483,6 +483,9 @@ class RunLog:
     ``over`` turns true once the run wrote more than ``limit`` bytes (what comes after is read and dropped, so the
     run never blocks on a full pipe before it is stopped). Raises ``OSError`` if the pipe cannot be made."""
 
+    #: Most reads (64 KiB each) of what the pipe holds when the log is closed: more than a pipe's capacity.
+    DRAIN_READS = 64
+
     def __init__(self, log_fd: int, limit: int):
         import threading
 
@@ -524,8 +527,9 @@ class RunLog:
             while not self._closing.is_set():
                 if poller.poll(100) and self._read_some() is False:
                     return
-            while self._read_some():  # what the run wrote before it ended, and nothing after
-                pass
+            for _ in range(RunLog.DRAIN_READS):  # what the pipe holds at the run's end (bounded: a process left
+                if not self._read_some():  # behind that writes without pause would keep it full for ever)
+                    break
         except OSError:  # the log's disk: the run goes on, its log stops
             pass
         finally:
