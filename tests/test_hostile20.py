@@ -523,3 +523,40 @@ async def test_a_log_takes_nothing_after_its_run_ended(store, gateway_url, tmp_p
     (log,) = (tmp_path / "logs").glob("*")
     assert log.read_text() == "from the run\n", log.read_text()
 
+
+
+def _pids_per_second() -> float:
+    """New pids the machine makes per second now (the kernel's last pid, ``/proc/loadavg``, over 0.5 s)."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    first = int(Path("/proc/loadavg").read_text().split()[-1])
+    time.sleep(0.5)
+    return ((int(Path("/proc/loadavg").read_text().split()[-1]) - first) % pid_max) * 2
+
+
+@as_root
+def test_a_process_that_forks_a_successor_and_exits_without_pause_is_ended():
+    """(Round 20's third prober.) A process that forks a successor and exits, again and again, is never where a scan
+    of ``/proc`` looks for it: every sweep found none and gave the user back while the lineage lived on, and it read
+    the next runs' keys. Each user now kills all its processes at one instant (``kill(-1)``, which ``fork`` cannot
+    outrun) before the scan."""
+    import shutil
+
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler to build the hopping harness")
+    uid, _ = free_uids(1, start=61800)
+    with open_dir(0o755) as folder:
+        exe = folder / "hopper"
+        subprocess.run(["cc", "-O1", "-o", str(exe), str(HARNESSES / "hopper.c")], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([str(exe), "1", "20"], user=uid, group=uid, extra_groups=[], timeout=30, cwd="/")
+        time.sleep(0.3)
+        try:
+            assert _pids_per_second() > 1000  # (the lineages hop)
+            end_user_processes([uid])
+            assert _pids_per_second() < 500, "the lineage lives on"
+        finally:
+            for _ in range(100):  # (without the fix: end it for the next tests, as root cannot miss it either)
+                subprocess.run(["/bin/sh", "-c", "true"], preexec_fn=lambda: (os.setresuid(uid, uid, uid),
+                                                                               os.kill(-1, 9)))
+                if _pids_per_second() < 500:
+                    break
