@@ -560,3 +560,42 @@ def test_a_process_that_forks_a_successor_and_exits_without_pause_is_ended():
                                                                                os.kill(-1, 9)))
                 if _pids_per_second() < 500:
                     break
+
+
+async def test_a_run_that_wrote_past_its_log_limit_and_exited_at_once_is_log_limit(store, gateway_url, tmp_path):  # noqa: F811
+    """(Round 20's third prober.) A run that wrote past ``max_log_bytes`` and exited before the next size check got
+    its own exit's outcome, and its log was cut without the line saying so."""
+    spew = "head -c 300000 /dev/zero | tr '\\0' x; exit 0"
+    runner = LocalRunner(store, gateway_url, ["/bin/sh", "-c", spew], "m", log_dir=tmp_path / "logs", cwd="/",
+                         max_log_bytes=1000)
+    await store.create_rollout(Rollout(rollout_id="spew"))
+    await runner.run_one(await store.pop_queued())
+    assert (await store.get_rollout("spew")).failure == "log_limit"
+    (log,) = (tmp_path / "logs").glob("*")
+    text = log.read_text()
+    assert text.startswith("x" * 1000) and text[1000:].strip().startswith("[agl-controller: log cut at 1000 bytes")
+
+
+def test_closing_a_run_log_waits_for_its_copy_to_end(tmp_path, monkeypatch):
+    """(Round 20's third prober.) Closing a run's log waited 5 s for its copy at most, then the controller closed the
+    log's descriptor while the copy still wrote: the next run's log got that number, and half of this run's output.
+    The close waits for the copy, which copies what the pipe holds at the close and no more."""
+    import fcntl
+
+    from agl_controller.spawn import RunLog, create_log
+
+    real = RunLog._read_some
+
+    def slow(self, most=1 << 16):  # (a slow disk, or a copy thread starved of the GIL)
+        time.sleep(1.5)
+        return real(self, most)
+
+    monkeypatch.setattr(RunLog, "_read_some", slow)
+    fd = create_log(tmp_path / "x.log")
+    log = RunLog(fd, 1 << 30)
+    fcntl.fcntl(log.write_fd, 1031, 1 << 20)  # F_SETPIPE_SZ: room for what is written below
+    os.write(log.write_fd, b"z" * (4 * 65536))
+    log.close()
+    assert not log._thread.is_alive()
+    os.close(fd)
+    assert (tmp_path / "x.log").stat().st_size == 4 * 65536

@@ -373,11 +373,6 @@ class LocalRunner(Runner):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await waiter
-        if failure == "log_limit":  # (the copy keeps max_log_bytes at most) said so at its end
-            await asyncio.to_thread(log.close)
-            with contextlib.suppress(OSError):
-                os.pwrite(log.log_fd, f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was "
-                          "stopped: log_limit]\n".encode(), self.max_log_bytes)
         return failure
 
     async def run_one(self, rollout_id: str) -> Rollout | None:
@@ -447,6 +442,11 @@ class LocalRunner(Runner):
                 os.killpg(proc.pid, signal.SIGKILL)
             await release()
             await asyncio.shield(asyncio.to_thread(run_log.close))  # what is left behind writes to it no more
+            if run_log.over:  # (also a run that wrote past the limit and exited before a check saw it)
+                failure = "log_limit"
+                with contextlib.suppress(OSError):  # (the copy kept max_log_bytes at most) said so at its end
+                    os.pwrite(log_fd, f"\n[agl-controller: log cut at {self.max_log_bytes} bytes; the run was "
+                              "stopped: log_limit]\n".encode(), self.max_log_bytes)
             os.close(log_fd)
         log.info("rollout %s attempt %s ended in %.1f s: %s", rollout_id, aid, time.monotonic() - t0,
                  failure or "ok")

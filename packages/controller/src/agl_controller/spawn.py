@@ -506,9 +506,6 @@ class RunLog:
     ``over`` turns true once the run wrote more than ``limit`` bytes (what comes after is read and dropped, so the
     run never blocks on a full pipe before it is stopped). Raises ``OSError`` if the pipe cannot be made."""
 
-    #: Most reads (64 KiB each) of what the pipe holds when the log is closed: more than a pipe's capacity.
-    DRAIN_READS = 64
-
     def __init__(self, log_fd: int, limit: int):
         import threading
 
@@ -516,19 +513,21 @@ class RunLog:
         self.limit = limit
         self.written = 0
         self.over = False
+        self._last = 0
         self._read_fd, self.write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._copy, name="agl-run-log", daemon=True)
         self._thread.start()
 
-    def _read_some(self) -> bool | None:
-        """Copy what the pipe holds now: ``True`` if something was read, ``False`` at its end (every writer gone),
-        ``None`` if it is empty."""
+    def _read_some(self, most: int = 1 << 16) -> bool | None:
+        """Copy at most ``most`` bytes of what the pipe holds now: ``True`` if something was read (``_last`` bytes),
+        ``False`` at its end (every writer gone), ``None`` if it is empty."""
         try:
-            data = os.read(self._read_fd, 1 << 16)
+            data = os.read(self._read_fd, most)
         except BlockingIOError:
             return None
+        self._last = len(data)
         if not data:
             return False
         room = self.limit - self.written
@@ -550,13 +549,23 @@ class RunLog:
             while not self._closing.is_set():
                 if poller.poll(100) and self._read_some() is False:
                     return
-            for _ in range(RunLog.DRAIN_READS):  # what the pipe holds at the run's end (bounded: a process left
-                if not self._read_some():  # behind that writes without pause would keep it full for ever)
-                    break
+            self._drain()
         except OSError:  # the log's disk: the run goes on, its log stops
             pass
         finally:
             os.close(self._read_fd)
+
+    def _drain(self) -> None:
+        """Copy exactly what the pipe holds now (``FIONREAD``): what the run wrote before it ended, and nothing a
+        process left behind writes after (one writing without pause would keep a read-until-empty going for ever)."""
+        import fcntl
+        import termios
+
+        held = bytearray(4)
+        fcntl.ioctl(self._read_fd, termios.FIONREAD, held)
+        left = int.from_bytes(held, sys.byteorder)
+        while left > 0 and self._read_some(min(left, 1 << 16)):
+            left -= self._last
 
     def started(self) -> None:
         """The run holds its own copy of ``write_fd`` now: this process's is closed (the pipe ends with the run's)."""
@@ -564,12 +573,13 @@ class RunLog:
             os.close(self.write_fd)
             self.write_fd = -1
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self) -> None:
         """End the copy (after what the pipe holds now) and close the pipe: no one writes into this log any more.
-        Blocks up to ``timeout_s`` for the copy to end."""
+        Blocks until the copy has ended (a bounded amount of work: the caller closes ``log_fd`` after it, and a
+        descriptor closed while the thread still wrote was reused by the next run's log)."""
         self.started()
         self._closing.set()
-        self._thread.join(timeout_s)
+        self._thread.join()
 
 
 def create_log(log_path: Path) -> int:
