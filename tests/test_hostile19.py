@@ -57,9 +57,9 @@ async def test_the_gateway_sends_the_engines_key_and_never_the_agents(store, red
                 assert (await c.get(f"{gw.url}/readyz")).status_code == 200
         return [dict(h).get("authorization") for h, _ in app.state.requests]
 
-    monkeypatch.setenv("AGL_UPSTREAM_KEY", "engine-s3cret")
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", "engine-s3cret-0123456789")
     sent = await authorizations("r1")
-    assert len(sent) >= 2 and set(sent) == {"Bearer engine-s3cret"}, sent
+    assert len(sent) >= 2 and set(sent) == {"Bearer engine-s3cret-0123456789"}, sent
     monkeypatch.delenv("AGL_UPSTREAM_KEY")
     assert set(await authorizations("r2")) == {None}
 
@@ -279,7 +279,7 @@ def test_the_gateway_refuses_two_ways_of_authenticating_to_the_engine():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="two ways of authenticating"):
-        GatewaySettings(upstream="http://127.0.0.1:1/v1,http://u:pw@127.0.0.1:2/v1", upstream_key="k")
+        GatewaySettings(upstream="http://127.0.0.1:1/v1,http://u:pw@127.0.0.1:2/v1", upstream_key="agl-key-0123456789abcdef")
     assert GatewaySettings(upstream="http://u:pw@127.0.0.1:2/v1", upstream_key=None).upstream_key is None
 
 

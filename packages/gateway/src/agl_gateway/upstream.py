@@ -44,8 +44,9 @@ async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     return bytes(body)
 
 
-#: The shortest prefix of the engine's key :func:`mask_key` masks (a shorter key is masked whole).
-KEY_PREFIX_MASKED = 8
+#: The shortest prefix of the engine's key :func:`mask_key` masks (also the shortest key the gateway takes: a short
+#: one, ``a`` or ``assistant-9f8e``, masked the letters and words of every answer).
+KEY_PREFIX_MASKED = 16
 
 
 def mask_key(data: bytes, key: bytes) -> bytes:
