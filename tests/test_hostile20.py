@@ -4,6 +4,7 @@ shared one user, a primary group 0, the engine's key in its own error messages. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import subprocess
@@ -106,6 +107,8 @@ def test_run_as_names_a_user_per_concurrent_run_and_nothing_doubtful(monkeypatch
             harness_users("nobody,,")
         with pytest.raises(LaunchError, match="at most"):
             harness_users(f"{first}-{first + 5000}")
+        with pytest.raises(LaunchError, match="ends the users' processes"):
+            harness_users(str(2**32 - 3))
         import grp
         grouped = next((g.gr_gid for g in grp.getgrall() if g.gr_gid > 0 and not _user_exists(g.gr_gid)), None)
         if grouped is not None:
@@ -605,3 +608,40 @@ def test_closing_a_run_log_waits_for_its_copy_to_end(tmp_path, monkeypatch):
     assert not log._thread.is_alive()
     os.close(fd)
     assert (tmp_path / "x.log").stat().st_size == 4 * 65536
+
+
+@as_root
+def test_a_process_left_behind_cannot_stop_the_sweep():
+    """(Round 20's fourth prober.) The child that kills a user's processes took that uid as its real one: a process
+    left behind that sent SIGSTOP to every process of its user without pause stopped it, and the controller waited
+    for it for ever (4 sweeps in 10; the run stayed ``running``, its slot and user lost). The child's real and saved
+    uid are now one no process of the user has, so none of them may signal it."""
+    import shutil
+    import threading
+
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler to build the stopping harness")
+    uid, _ = free_uids(1, start=61900)
+    with open_dir(0o755) as folder:
+        exe = folder / "stopper"
+        subprocess.run(["cc", "-O1", "-pthread", "-o", str(exe), str(HARNESSES / "stopper.c")], check=True,
+                       capture_output=True, timeout=120)
+        try:
+            for _ in range(6):
+                harness = subprocess.Popen([str(exe)], user=uid, group=uid, extra_groups=[], cwd="/")
+                time.sleep(0.2)  # (its child may have stopped it already: it is of the same user)
+                sweep = threading.Thread(target=end_user_processes, args=([uid],), daemon=True)
+                sweep.start()
+                sweep.join(15)
+                assert not sweep.is_alive(), "the sweep was stopped"
+                assert user_processes([uid]) == []
+                harness.wait(10)
+        finally:  # (without the fix: free the stopped sweep, from root, which no process of the user stops)
+            for _ in range(50):
+                left = user_processes([uid])
+                if not left:
+                    break
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 9)
+                time.sleep(0.1)
