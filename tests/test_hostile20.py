@@ -645,3 +645,63 @@ def test_a_process_left_behind_cannot_stop_the_sweep():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 9)
                 time.sleep(0.1)
+
+
+def test_the_sweeping_uid_is_one_the_user_namespace_maps(monkeypatch):
+    """(Round 20's fifth prober.) In a user namespace that does not map the sweeping child's uid (rootless Podman,
+    unprivileged LXC, Kubernetes ``hostUsers: false``: ``0 0 65536``), ``setresuid`` failed and the sweep silently
+    did nothing. The child's uid is one the namespace maps, and a child that cannot take it is an error."""
+    from agl_controller import spawn
+
+    assert spawn.sweeper_uid_in("         0          0 4294967295\n") == spawn.SWEEPER_UID
+    assert spawn.sweeper_uid_in("0 0 65536\n") == 65535
+    assert spawn.sweeper_uid_in("0 100000 65536\n65536 1000 1\n") == 65536
+    with pytest.raises(LaunchError, match="maps no uid"):
+        spawn.sweeper_uid_in("0 1000 1\n")
+    if os.geteuid() == 0:
+        monkeypatch.setattr(spawn, "sweeper_uid", lambda: 2**32)  # (a uid no setresuid takes)
+        uid, _ = free_uids(1, start=62000)
+        with pytest.raises(RuntimeError, match="cannot take uid"):
+            spawn.end_user_processes([uid])
+
+
+@as_root
+def test_two_runs_ending_at_once_end_all_of_both(tmp_path):
+    """(Round 20's fifth prober.) Every sweeping child has the same real uid: when two runs ended at once, one's
+    ``kill(-1)`` killed the other's before it sent its own, and that user's hopping lineage lived on (4 in 300). The
+    sweeps take turns now."""
+    import select
+    import shutil
+    import threading
+
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler to build the hopping harness")
+    first, last = free_uids(2, start=62100)
+    with open_dir(0o755) as folder:
+        exe = folder / "lineage"
+        subprocess.run(["cc", "-O1", "-o", str(exe), str(HARNESSES / "lineage.c")], check=True, capture_output=True,
+                       timeout=120)
+        escaped = 0
+        for _ in range(100):
+            lineages = [subprocess.Popen([str(exe)], user=u, group=u, extra_groups=[], stdout=subprocess.PIPE)
+                        for u in (first, last)]
+            time.sleep(0.02)
+            start = threading.Barrier(2)
+
+            def sweep(uid):
+                start.wait()
+                end_user_processes([uid])
+
+            threads = [threading.Thread(target=sweep, args=(u,)) for u in (first, last)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            for lineage in lineages:
+                lineage.wait()
+                ready, _, _ = select.select([lineage.stdout], [], [], 0.2)  # (EOF: every member gone)
+                if not ready or lineage.stdout.read(1) != b"":
+                    escaped += 1
+                    end_user_processes([first, last])
+                lineage.stdout.close()
+        assert escaped == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import atexit
+import functools
 import multiprocessing
 import os
 import pkgutil  # noqa: F401 (runpy.run_path imports it at each call: a run as another user may not reach the stdlib)
@@ -24,6 +25,7 @@ import runpy
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Collection
@@ -126,8 +128,8 @@ def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser
     uids = [u.uid for u in users]
     if len(set(uids)) < len(uids):
         raise LaunchError(f"run-as: a user is named twice in {spec!r}")
-    if SWEEPER_UID in uids:
-        raise LaunchError(f"run-as: uid {SWEEPER_UID} is the one that ends the users' processes: name another")
+    if sweeper_uid() in uids:
+        raise LaunchError(f"run-as: uid {sweeper_uid()} is the one that ends the users' processes: name another")
     if os.geteuid() in uids:
         raise LaunchError(f"run-as: uid {os.geteuid()} is this controller's own: a harness would reach its memory, "
                           "and ending its run's processes would end the controller")
@@ -163,11 +165,36 @@ def user_processes(uids: Collection[int]) -> list[int]:
             if e.name.isdigit() and wanted.intersection(_uids_of(e.name) or ())]
 
 
-#: The real and saved uid of the child that kills a user's processes (:func:`_kill_everything_of`): one no process
-#: has, and no ``--run-as`` may name. With the user's own uid as its real uid, the user's processes could signal that
-#: child: a process left behind that looped ``kill(-1, SIGSTOP)`` stopped it, and the controller waited for it for
-#: ever (4 times in 10 in a probe, round 20).
+#: The real and saved uid of the child that kills a user's processes (:func:`_kill_everything_of`) where this user
+#: namespace maps it: one no process has, and no ``--run-as`` may name. With the user's own uid as its real uid, the
+#: user's processes could signal that child: a process left behind that looped ``kill(-1, SIGSTOP)`` stopped it,
+#: and the controller waited for it for ever (4 times in 10 in a probe, round 20). See :func:`sweeper_uid`.
 SWEEPER_UID = 2**32 - 3
+#: One child at a time: every sweeping child has the same real uid, so one's ``kill(-1)`` killed another that had
+#: taken it but not yet sent its own (two runs ending at once: 4 lineages in 300 escaped, round 20).
+_SWEEP_LOCK = threading.Lock()
+
+
+@functools.cache
+def sweeper_uid() -> int:
+    """:data:`SWEEPER_UID` where this process's user namespace maps it, else the highest uid it maps (a rootless
+    container's ``0 0 65536`` maps 65535): ``setresuid`` to an unmapped uid fails, and a sweep that could not take
+    it did nothing (round 20). Raises :class:`LaunchError` if the namespace maps no uid but 0."""
+    try:
+        return sweeper_uid_in(Path("/proc/self/uid_map").read_text())
+    except OSError:  # (no user namespaces: every uid is the machine's)
+        return SWEEPER_UID
+
+
+def sweeper_uid_in(uid_map: str) -> int:
+    """:func:`sweeper_uid` for a ``/proc/<pid>/uid_map`` text (lines ``INSIDE OUTSIDE COUNT``)."""
+    ranges = [(int(f[0]), int(f[0]) + int(f[2])) for f in (line.split() for line in uid_map.splitlines()) if len(f) == 3]
+    if not ranges or any(lo <= SWEEPER_UID < hi for lo, hi in ranges):
+        return SWEEPER_UID
+    top = max(hi for _, hi in ranges) - 1
+    if top <= 0:
+        raise LaunchError("run-as: this user namespace maps no uid the controller could end the users' processes as")
+    return top
 
 
 def _kill_everything_of(uid: int) -> None:
@@ -175,24 +202,37 @@ def _kill_everything_of(uid: int) -> None:
     calls ``kill(-1, SIGKILL)``, which the kernel delivers to every process whose real or saved uid is ``uid`` under
     one lock that ``fork`` also takes; a process that forks a successor and exits without pause (a new pid every
     ~100 µs) is never missed, as it was by a scan of ``/proc`` (round 20). The child's real and saved uid are
-    :data:`SWEEPER_UID`, so no process of ``uid`` may signal it (stop it, kill it); one that stops it anyway is
-    killed and the sweep goes on (the scan that follows does the rest). The child calls nothing but system calls
-    before ``_exit`` (safe after ``fork`` in a threaded process). Needs root."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.setgroups([])
-            os.setresuid(SWEEPER_UID, uid, SWEEPER_UID)
-            for _ in range(3):
-                os.kill(-1, signal.SIGKILL)
-        except BaseException:  # noqa: BLE001 - ESRCH: none left; anything else: the scan that follows still runs
-            pass
-        os._exit(0)
-    while True:
-        _, status = os.waitpid(pid, os.WUNTRACED)
-        if not os.WIFSTOPPED(status):
-            return
-        os.kill(pid, signal.SIGKILL)  # (stopped: by whom it cannot be, but never wait on a stopped child)
+    :func:`sweeper_uid`, so no process of ``uid`` may signal it (stop it, kill it); one stopped or killed anyway is
+    killed and tried again. One child at a time (:data:`_SWEEP_LOCK`). The child calls nothing but system calls
+    before ``_exit`` (safe after ``fork`` in a threaded process). Needs root.
+    Raises ``RuntimeError`` if the child cannot take those uids, or does not get its ``kill(-1)`` sent in 5 tries."""
+    sweeper = sweeper_uid()
+    with _SWEEP_LOCK:
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 0
+                try:
+                    os.setgroups([])
+                    os.setresuid(sweeper, uid, sweeper)
+                except BaseException:  # noqa: BLE001 - (EINVAL: an unmapped uid) told by the exit code
+                    os._exit(3)
+                try:
+                    for _ in range(3):
+                        os.kill(-1, signal.SIGKILL)
+                except BaseException:  # noqa: BLE001 - ESRCH: none left
+                    pass
+                os._exit(code)
+            while True:
+                _, status = os.waitpid(pid, os.WUNTRACED)
+                if not os.WIFSTOPPED(status):
+                    break
+                os.kill(pid, signal.SIGKILL)  # (stopped: by whom it cannot be, but never wait on a stopped child)
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
+                raise RuntimeError(f"cannot take uid {uid} (real uid {sweeper}) to end its processes")
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                return
+    raise RuntimeError(f"the processes of uid {uid} could not be ended at once (the ending child was killed 5 times)")
 
 
 def end_user_processes(uids: Collection[int], rounds: int = 200) -> int:
