@@ -48,6 +48,17 @@ def _user_exists(uid: int) -> bool:
         return False
 
 
+def build(name: str, folder: Path) -> Path:
+    """``tests/harnesses/{name}.c`` built into ``folder`` (one other users can enter); skips without a C compiler."""
+    import shutil
+
+    if not shutil.which("cc"):
+        pytest.skip(f"no C compiler to build tests/harnesses/{name}.c")
+    exe = folder / name
+    subprocess.run(["cc", "-O1", "-pthread", "-o", str(exe), str(HARNESSES / f"{name}.c")], check=True,
+                   capture_output=True, timeout=120)
+    return exe
+
 @as_root
 @pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
 async def test_each_concurrent_run_is_a_user_of_its_own_and_leaves_no_process(store, gateway_url, preload,  # noqa: F811
@@ -439,17 +450,11 @@ def test_a_process_stuck_on_its_own_fuse_filesystem_is_ended(tmp_path):
     machine allows them and ``/dev/fuse`` is open to all) mounted a FUSE filesystem it served itself and never
     answered one of its own lookups: that thread waited uninterruptibly, SIGKILL could not end the process, the sweep
     gave up and the user was lost (and a new controller could not start). The sweep aborts such connections."""
-    import shutil
-
-    if not shutil.which("cc"):
-        pytest.skip("no C compiler to build the FUSE harness")
     if not os.access("/dev/fuse", os.R_OK | os.W_OK) or os.stat("/dev/fuse").st_mode & 0o006 != 0o006:
         pytest.skip("/dev/fuse is not open to other users here: a harness cannot mount FUSE")
     uid, _ = free_uids(1, start=61700)
     with open_dir(0o755) as folder:  # (tmp_path's parents are closed to other users)
-        exe = folder / "fuse_stuck"
-        subprocess.run(["cc", "-O1", "-pthread", "-o", str(exe), str(HARNESSES / "fuse_stuck.c")], check=True,
-                       capture_output=True, timeout=120)
+        exe = build("fuse_stuck", folder)
         with open(folder / "out", "w") as log:  # (not a pipe: the stuck child would hold it open)
             subprocess.run([str(exe)], user=uid, group=uid, extra_groups=[], stdout=log, stderr=log, timeout=30,
                            cwd="/")
@@ -548,15 +553,9 @@ def test_a_process_that_forks_a_successor_and_exits_without_pause_is_ended():
     of ``/proc`` looks for it: every sweep found none and gave the user back while the lineage lived on, and it read
     the next runs' keys. Each user now kills all its processes at one instant (``kill(-1)``, which ``fork`` cannot
     outrun) before the scan."""
-    import shutil
-
-    if not shutil.which("cc"):
-        pytest.skip("no C compiler to build the hopping harness")
     uid, _ = free_uids(1, start=61800)
     with open_dir(0o755) as folder:
-        exe = folder / "hopper"
-        subprocess.run(["cc", "-O1", "-o", str(exe), str(HARNESSES / "hopper.c")], check=True, capture_output=True,
-                       timeout=120)
+        exe = build("hopper", folder)
         subprocess.run([str(exe), "1", "20"], user=uid, group=uid, extra_groups=[], timeout=30, cwd="/")
         time.sleep(0.3)
         try:
@@ -616,16 +615,11 @@ def test_a_process_left_behind_cannot_stop_the_sweep():
     left behind that sent SIGSTOP to every process of its user without pause stopped it, and the controller waited
     for it for ever (4 sweeps in 10; the run stayed ``running``, its slot and user lost). The child's real and saved
     uid are now one no process of the user has, so none of them may signal it."""
-    import shutil
     import threading
 
-    if not shutil.which("cc"):
-        pytest.skip("no C compiler to build the stopping harness")
     uid, _ = free_uids(1, start=61900)
     with open_dir(0o755) as folder:
-        exe = folder / "stopper"
-        subprocess.run(["cc", "-O1", "-pthread", "-o", str(exe), str(HARNESSES / "stopper.c")], check=True,
-                       capture_output=True, timeout=120)
+        exe = build("stopper", folder)
         try:
             for _ in range(6):
                 harness = subprocess.Popen([str(exe)], user=uid, group=uid, extra_groups=[], cwd="/")
@@ -671,19 +665,14 @@ def test_two_runs_ending_at_once_end_all_of_both(tmp_path):
     ``kill(-1)`` killed the other's before it sent its own, and that user's hopping lineage lived on (4 in 300). The
     sweeps take turns now."""
     import select
-    import shutil
     import threading
 
-    if not shutil.which("cc"):
-        pytest.skip("no C compiler to build the hopping harness")
     first, last = free_uids(2, start=62100)
     with open_dir(0o755) as folder:
-        exe = folder / "lineage"
-        subprocess.run(["cc", "-O1", "-o", str(exe), str(HARNESSES / "lineage.c")], check=True, capture_output=True,
-                       timeout=120)
+        exe = build("hopper", folder)
         escaped = 0
         for _ in range(100):
-            lineages = [subprocess.Popen([str(exe)], user=u, group=u, extra_groups=[], stdout=subprocess.PIPE)
+            lineages = [subprocess.Popen([str(exe), "1", "600"], user=u, group=u, extra_groups=[], stdout=subprocess.PIPE)
                         for u in (first, last)]
             time.sleep(0.02)
             start = threading.Barrier(2)
