@@ -694,3 +694,24 @@ def test_two_runs_ending_at_once_end_all_of_both(tmp_path):
                     end_user_processes([first, last])
                 lineage.stdout.close()
         assert escaped == 0
+
+
+@as_root
+@pytest.mark.parametrize("preload", [[], ["json"]], ids=["exec", "preload"])
+async def test_a_run_gains_no_privileges_from_a_setuid_program(store, gateway_url, preload, monkeypatch):  # noqa: F811
+    """(Round 20's sixth prober.) A run of one pool user left a setuid-and-setgid copy of a program in ``/tmp``; a run
+    of another user ran it, became the first user, outlived its own sweep (nothing of its user was left) and read
+    that user's next run's key. Every run now has ``no_new_privs``: setuid and setgid bits are ignored."""
+    if preload:
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()
+        monkeypatch.setattr("agl_controller.local.check_user_runs", lambda *a: None)  # (see test_hostile19)
+    first, last = free_uids(1, start=62200)
+    with open_dir(0o777) as shared:
+        command = [sys.executable, str(HARNESSES / "privs.py")] if preload else [str(HARNESSES / "privs.sh")]
+        runner = LocalRunner(store, gateway_url, command, "m", log_dir=shared / "logs", preload=preload,
+                             run_as=str(first), cwd=str(ROOT), concurrency=1)
+        await store.create_rollout(Rollout(rollout_id="nnp", input={"dir": str(shared)}, env_map={"PROBE_DIR": "dir"}))
+        await runner.run_one(await store.pop_queued())
+        logs = "".join(p.read_text() for p in (shared / "logs").glob("*"))
+        assert (shared / "nnp.nnp").read_text().strip() == "NoNewPrivs:1", logs

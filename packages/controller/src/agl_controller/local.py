@@ -44,7 +44,7 @@ from agl_common.store import Store
 
 from .base import DEFAULT_RETRY_ON, Runner, final_output, load_reward_fn  # noqa: F401 (re-exported)
 from .spawn import ANONYMOUS_HOME, HarnessUser, LaunchError, Launcher, RunLog, UserLocks, check_user_runs, create_log, \
-    end_user_processes, harness_users, reap_zombies_of, user_processes
+    end_user_processes, harness_users, no_new_privileges, reap_zombies_of, user_processes
 
 log = logging.getLogger("agl.controller")
 
@@ -206,6 +206,9 @@ class LocalRunner(Runner):
             check_user_runs(user, self.command, self.cwd)
         if self.users:
             self._check_log_dir()
+            # every exec'd run inherits it (a forked one sets it itself): no setuid program left by another pool
+            # user's run makes a run that user (spawn.no_new_privileges); this controller needs no such gain
+            no_new_privileges()
         self._free_users: asyncio.Queue[HarnessUser] = asyncio.Queue()
         for user in self.users:
             self._free_users.put_nowait(user)

@@ -432,8 +432,22 @@ def check_user_runs(user: HarnessUser, command: list[str], cwd: str) -> None:
                           "use an interpreter and files that user can reach)")
 
 
+def no_new_privileges() -> None:
+    """Set ``PR_SET_NO_NEW_PRIVS`` on this process (inherited by every child, never undone): no program it or its
+    children run gains privileges (setuid and setgid bits and file capabilities are ignored). A run's process that
+    ran a setuid-and-setgid copy of a program left by a run of another pool user became that user, outlived its own
+    sweep (no process of its user was left) and read that user's next run's key (round 20). Raises ``OSError``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
 def _become(user: HarnessUser) -> None:
-    """In a forked child, before it runs anything of the harness: drop to ``user`` (groups, then gid, then uid)."""
+    """In a forked child, before it runs anything of the harness: drop to ``user`` (groups, then gid, then uid), with
+    no new privileges (:func:`no_new_privileges`)."""
+    no_new_privileges()
     os.setgroups([])
     os.setgid(user.gid)
     os.setuid(user.uid)
