@@ -715,3 +715,17 @@ async def test_a_run_gains_no_privileges_from_a_setuid_program(store, gateway_ur
         await runner.run_one(await store.pop_queued())
         logs = "".join(p.read_text() for p in (shared / "logs").glob("*"))
         assert (shared / "nnp.nnp").read_text().strip() == "NoNewPrivs:1", logs
+
+
+def test_a_config_with_a_control_character_in_a_path_or_url_is_one_line(tmp_path):
+    """(Round 20's sixth prober.) ``out_dir: "\\u0000"``, ``task_file: "a\\u0000b"`` and ``engine_url`` ending in
+    ``\\u0000`` were tracebacks (the last after the run directory was made)."""
+    for line in ('out_dir: "\\u0000"', 'task_file: "a\\u0000b"', 'engine_url: "http://127.0.0.1:9/v1\\u0000"',
+                 'engine_url: "http://127.0.0.1:9/v1\\u0007"'):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"{line}\nsteps: 1\nout_dir: {tmp_path / 'runs'}\n" if "out_dir" not in line else f"{line}\n")
+        run = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(cfg)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2, (line, run.stdout[-1500:], run.stderr[-1500:])
+        assert "control character" in run.stdout + run.stderr and "Traceback" not in run.stdout + run.stderr, line
+        assert not (tmp_path / "runs").exists()

@@ -181,6 +181,8 @@ def check_gateway_url(url: str, what: str = "gateway URL") -> str:
 def check_http_url(url: str, what: str = "URL") -> str:
     """``url`` if it is ``http(s)://host[:port][/path]``; else ``ValueError`` naming ``what`` (an engine's or the
     gateway's URL: a typo there fails every later call, or every harness run, as something else)."""
+    if not url.isprintable():  # (a NUL or another control character: every call then failed deep in httpx)
+        raise ValueError(f"{what} {redacted_url(url)!r} holds a control character")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range

@@ -352,6 +352,13 @@ class TrainConfig(_NoBooleanNumbers):
                 raise ValueError(f"preload: {name!r} is not a module name")
         return v
 
+    @field_validator("out_dir", "task_file")
+    @classmethod
+    def _printable_path(cls, v: str | Path) -> str | Path:
+        if not str(v).isprintable():  # (a NUL: a traceback from the first mkdir or open, after the run had begun)
+            raise ValueError(f"{str(v)!r} holds a control character")
+        return v
+
     @field_validator("harness_user", mode="before")
     @classmethod
     def _harness_user(cls, v: object) -> object:
