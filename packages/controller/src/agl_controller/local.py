@@ -160,9 +160,9 @@ class LocalRunner(Runner):
             empty: exec the command for each run.
         max_log_bytes: most bytes an attempt's log may hold (stdout and stderr together); a run whose log grows
             past it (a harness printing in a loop would fill the disk over a long run) is stopped (its process
-            group gets SIGKILL) and fails ``log_limit``; its log is then cut to ``max_log_bytes`` and ends with a
-            line saying so. The size is checked every :data:`LOG_CHECK_S` seconds: until the stop, the file may
-            pass the limit by what the harness writes in that time.
+            group gets SIGKILL) and fails ``log_limit`` (also one that exits before the check, every
+            :data:`LOG_CHECK_S` seconds, saw it); its log holds the first ``max_log_bytes`` (the copy of the run's
+            pipe, :class:`~.spawn.RunLog`, keeps no more) and ends with a line saying so.
         run_as: Unix users (comma-separated names, uids and ranges of uids without users ``FIRST-LAST``,
             :func:`~.spawn.harness_users`), at least ``concurrency`` of them: each run becomes one that no other
             running run is (``HOME``, ``USER`` and ``LOGNAME`` its own), and every process of that user is killed

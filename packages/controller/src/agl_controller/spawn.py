@@ -140,15 +140,20 @@ def harness_users(spec: str, concurrency: int | None = None) -> list[HarnessUser
     return users
 
 
+def _status(pid: str) -> dict[str, str]:
+    """The fields of ``/proc/<pid>/status`` (name → value, stripped). Raises ``OSError`` for a process that is gone."""
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in
+                                         Path(f"/proc/{pid}/status").read_text().splitlines()) if _}
+
+
 def _uids_of(pid: str) -> list[str] | None:
     """The real, effective, saved and filesystem uids of process ``pid`` (``/proc/<pid>/status``), or ``None`` for
     a process that is gone or has no live thread. A zombie thread-group leader is not a dead process: its main thread
     can leave with ``SYS_exit`` while its other threads run on (round 20: such a process outlived every sweep and
     read later runs' keys), so a process is dead only when every task of ``/proc/<pid>/task`` is."""
     try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if ":" in line)
-        if fields.get("State", "").strip().startswith(("Z", "X")) and not any(
+        fields = _status(pid)
+        if fields.get("State", "").startswith(("Z", "X")) and not any(
                 Path(f"/proc/{pid}/task/{task}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
                 for task in os.listdir(f"/proc/{pid}/task")):
             return None
@@ -339,11 +344,10 @@ def reap_zombies_of(uids: Collection[int]) -> int:
         if not entry.name.isdigit():
             continue
         try:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry.name}/status").read_text().splitlines()
-                          if ":" in line)
-        except (OSError, ValueError):
+            fields = _status(entry.name)
+        except OSError:
             continue
-        if fields.get("PPid", "").strip() == me and fields.get("State", "").strip().startswith("Z") and \
+        if fields.get("PPid") == me and fields.get("State", "").startswith("Z") and \
                 wanted.intersection(fields.get("Uid", "").split()):
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(int(entry.name), os.WNOHANG)[0]:
