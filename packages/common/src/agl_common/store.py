@@ -1082,7 +1082,8 @@ class Store:
         return {cid: raw is not None for cid, n, raw in zip(ids, has_list, alive) if n}
 
     async def retry_attempt(self, rollout_id: str, attempt_id: str, enqueue: bool = False,
-                            running_only: bool = False) -> Rollout:
+                            running_only: bool = False,
+                            check: Callable[[Rollout], None] | None = None) -> Rollout:
         """Start a new attempt: ``running | failed → queuing`` with ``attempt_id + 1``, reward and times cleared.
 
         The old attempt is fenced from then on (the gateway answers 409 to its calls and rewards).
@@ -1090,11 +1091,14 @@ class Store:
         first) or the rollout is neither running nor failed (with ``running_only``, not running: what a controller
         retrying its own attempt asks, in the same transaction as the change: a rollout another controller ended
         meanwhile stays ended), and :class:`RolloutNotFound`. ``enqueue``: also push the id onto the queue (a
-        manual retry).
+        manual retry). ``check``: called first on the rollout as stored, in the same transaction; what it raises
+        aborts the retry (nothing is written) and reaches the caller.
         """
         allowed = (RolloutStatus.running,) if running_only else (RolloutStatus.running, RolloutStatus.failed)
 
         def change(r: Rollout) -> None:
+            if check is not None:
+                check(r)
             if r.attempt_id != attempt_id:
                 raise ValueError(f"attempt {attempt_id} of {rollout_id!r} is stale (current: {r.attempt_id})")
             if r.status not in allowed:

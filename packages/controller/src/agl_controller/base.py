@@ -28,7 +28,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agl_common.aio import wait_until
@@ -358,9 +358,11 @@ class Runner:
                  attempt_id, reason, rollout.attempt_id)
         return rollout
 
-    async def _retry(self, rollout_id: str, attempt_id: str, failure: str) -> Rollout:
-        """Retry a running attempt that failed with ``failure`` as the next attempt (queued again)."""
-        rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True)
+    async def _retry(self, rollout_id: str, attempt_id: str, failure: str,
+                     check: Callable[[Rollout], None] | None = None) -> Rollout:
+        """Retry a running attempt that failed with ``failure`` as the next attempt (queued again); ``check`` is
+        :meth:`Store.retry_attempt`'s (what it raises aborts the retry and reaches the caller)."""
+        rollout = await self.store.retry_attempt(rollout_id, attempt_id, running_only=True, check=check)
         await self.store.add_event(rollout_id, attempt_id, "attempt_failed", {"failure": failure})
         await self._let_go(rollout_id, attempt_id, requeue=True)
         log.info("rollout %s attempt %s failed (%s): retried as attempt %s", rollout_id, attempt_id, failure,
@@ -389,15 +391,22 @@ class Runner:
                 failure = "reward_error"
         if failure is None and rollout.reward is None and judged is None:
             failure = "no_reward"
+
+        def reward_arrived(r: Rollout) -> None:
+            if failure == "no_reward" and r.reward is not None and r.attempt_id == attempt_id:
+                raise _RewardArrived  # posted since the read above: decided again, on the rollout as written
+
         if failure and matches(failure, self.retry_on) and int(attempt_id) + 1 < self.max_attempts:
-            return await self._retry(rollout_id, attempt_id, failure)
+            try:
+                return await self._retry(rollout_id, attempt_id, failure, check=reward_arrived)
+            except _RewardArrived:  # (the reward the run's processes posted stands, as its 200 told them)
+                failure = None
 
         replaced: dict[str, Any] = {}
 
         def end(r: Rollout) -> None:
             current(r)
-            if failure == "no_reward" and r.reward is not None:  # posted since the read above: decided again
-                raise _RewardArrived
+            reward_arrived(r)
             replaced.clear()
             if judged is not None and not failure:  # in the step that ends the attempt: a process the run left
                 # behind (setsid) can no longer post over the judge between the two (its key works until then)
