@@ -1,6 +1,11 @@
 """Round 21 of hostile input (docs/operations.md, "A twenty-first round"): each test failed before its fix."""
 from __future__ import annotations
 
+import asyncio
+import os
+
+import pytest
+
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
 
 
@@ -38,3 +43,52 @@ async def test_a_no_reward_retry_still_retries_without_a_reward(store):
                                        response={}))
     got = await Runner(store, max_attempts=3, retry_on=("no_reward",)).finish_attempt("none", "0", None)
     assert (got.status, got.attempt_id, got.reward) == (RolloutStatus.queuing, "1", None), got
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (this machine's pid 1 reaps orphans only now and then)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+async def test_what_a_reward_function_started_ends_with_its_timeout(monkeypatch, tmp_path):
+    """A judge's child (a test run, model-written code) outlived the judge's timeout, running as the controller's
+    user (root with ``--run-as``) after the controller stopped: only the worker was killed. The worker leads a
+    process group of its own, and the group is killed with it."""
+    import time
+    from pathlib import Path
+
+    from agl_controller.reward import RewardPool
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "harnesses"))
+    pool = RewardPool("rewards:spawns", idle=1)
+    pidfile = tmp_path / "child.pid"
+    try:
+        with pytest.raises(TimeoutError):
+            await pool.score({"pidfile": str(pidfile)}, "", 5)
+    finally:
+        pool.close()
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    running = _running(child)
+    if running:
+        os.kill(child, 9)
+    assert not running, "the judge's child outlived its timeout"
+
+
+def test_retry_on_details_no_runner_writes_are_refused():
+    """``--retry-on exit_code:-0``, ``signal:-15``, ``exit_code:99999999999999999999``, ``job_failed:`` were taken
+    (round 13 refused ``exit_code:01`` and ``signal:SIGTERM`` only) and never matched a failure."""
+    from agl_controller.base import check_retry_on, matches
+
+    for entry in ("exit_code:-0", "signal:-15", "exit_code:99999999999999999999", "job_failed:", "exit_code:0",
+                  "signal:0", "signal:9", "signal:65", "exit_code:+3", "exit_code:2147483648", "signal:015"):
+        with pytest.raises(ValueError, match="can never match"):
+            check_retry_on([entry])
+    taken = check_retry_on(["exit_code:137", "exit_code:-1073741819", "signal:15", "signal:64", "job_failed:x"])
+    assert all(matches(f, taken) for f in ("exit_code:137", "exit_code:-1073741819", "signal:15", "job_failed:x"))

@@ -63,3 +63,15 @@ def dumpable(inp: dict, output: str) -> float:
     import ctypes
 
     return float(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+
+
+def spawns(inp: dict, output: str) -> float:
+    """A judge that starts a process (as one that runs model-written code does), writes its pid to
+    ``inp["pidfile"]``, then takes ``inp["judge_s"]`` seconds."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(inp["pidfile"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(float(inp.get("judge_s", 3600)))
+    return 1.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import signal
 import socket
 import time
 import uuid
@@ -61,6 +62,22 @@ NUMBERED_REASONS = ("exit_code", "signal")
 DETAILED_REASONS = ("job_failed",)
 
 
+def _can_match(entry: str) -> bool:
+    """Whether a runner can write a failure ``entry`` matches (:func:`matches`): a detail is a number as written by
+    ``str(int)`` for ``exit_code`` (non-zero, 32-bit: Kubernetes' ``exitCode``; a local run's is 1–255) and
+    ``signal`` (1 to ``NSIG - 1``, not SIGKILL, which is written ``oom_killed``), any non-empty text for
+    :data:`DETAILED_REASONS`, none for the others."""
+    reason, colon, detail = entry.partition(":")
+    if not colon:
+        return True
+    if reason == "exit_code":
+        return bool(re.fullmatch(r"-?[1-9][0-9]{0,9}", detail)) and -2**31 <= int(detail) < 2**31
+    if reason == "signal":
+        return bool(re.fullmatch(r"[1-9][0-9]?", detail)) and int(detail) < signal.NSIG \
+            and int(detail) != signal.SIGKILL
+    return reason in DETAILED_REASONS and detail != ""
+
+
 def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
     """``entries`` as a tuple, each checked to name a reason of :data:`FAILURE_REASONS` (alone or with a
     detail, ``exit_code:75``). Raises ``ValueError`` naming the unknown entries: a misspelt reason would
@@ -70,15 +87,12 @@ def check_retry_on(entries: Iterable[str]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown failure reason(s) {', '.join(map(repr, unknown))}; "
                          f"known: {', '.join(FAILURE_REASONS)}")
-    # the failures carry a number as written by str(int): ``signal:15``, never ``signal:SIGTERM`` or ``exit_code:01``
-    never = [e for e in entries if e.partition(":")[0] in NUMBERED_REASONS and e.partition(":")[1]
-             and not re.fullmatch(r"-?(0|[1-9][0-9]*)", e.partition(":")[2])]
-    never += [e for e in entries if e.partition(":")[0] not in NUMBERED_REASONS + DETAILED_REASONS
-              and e.partition(":")[1]]
+    never = [e for e in entries if not _can_match(e)]
     if never:
-        raise ValueError(f"failure reason(s) {', '.join(map(repr, never))} can never match: exit_code and signal "
-                         f"take a number (exit_code:75, signal:15), {', '.join(DETAILED_REASONS)} a detail, the "
-                         "others none")
+        raise ValueError(f"failure reason(s) {', '.join(map(repr, never))} can never match: exit_code takes a "
+                         f"non-zero exit status (exit_code:75; a 32-bit one on Kubernetes), signal a signal number "
+                         f"other than 9 (signal:15; SIGKILL is oom_killed), {', '.join(DETAILED_REASONS)} a "
+                         "detail, the others none")
     return entries
 
 

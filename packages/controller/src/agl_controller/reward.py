@@ -7,7 +7,8 @@ running rollout as ``controller_lost``; ``os._exit`` in it ended the controller;
 run. Here each call runs in a worker process (``multiprocessing``'s *spawn* start: a fresh interpreter with the
 controller's ``sys.path``, working directory and environment, which the controller's CLI has already cleared of
 the admin key and the Redis URL). A worker that answers goes back to a small idle pool and serves later calls (a
-module's state lives on per worker, not across workers); one past its timeout, or cancelled, is killed.
+module's state lives on per worker, not across workers); one past its timeout, or cancelled, is killed with every
+process of its group (it leads a session of its own: what the function started goes with it).
 
 The worker checks the value itself (:func:`agl_common.schemas.check_reward`), so only a float or a one-line error
 crosses the pipe, whatever the function returned.
@@ -20,6 +21,7 @@ import atexit
 import contextlib
 import importlib
 import multiprocessing
+import os
 import signal
 import threading
 import weakref
@@ -77,6 +79,8 @@ def _serve(conn, spec: str) -> None:
     # function's own secrets, a judge's API key) through /proc/<pid>/mem; not any more (as the controller itself)
     hide_from_proc((), dumpable=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the controller, which decides
+    os.setsid()  # a process group of its own: what the function starts (a test run, model-written code) is killed
+    # with the worker (_Worker.kill), not left running as the controller's user after a timeout
     try:
         fn = load_reward_fn(spec)
     except ValueError as exc:
@@ -162,7 +166,11 @@ class _Worker:
         return value
 
     def kill(self) -> None:
+        """Kill the worker and every process of its group (what its function started and did not end; one that
+        left the group with ``setsid`` of its own is the function's own choice)."""
         _live.discard(self)
+        with contextlib.suppress(Exception):  # the group's id is the worker's pid: reserved while the worker (a
+            os.killpg(self.proc.pid, signal.SIGKILL)  # zombie until joined) or any member of its group exists
         with contextlib.suppress(Exception):
             self.proc.kill()
         with contextlib.suppress(Exception):
