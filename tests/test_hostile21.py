@@ -92,3 +92,45 @@ def test_retry_on_details_no_runner_writes_are_refused():
             check_retry_on([entry])
     taken = check_retry_on(["exit_code:137", "exit_code:-1073741819", "signal:15", "signal:64", "job_failed:x"])
     assert all(matches(f, taken) for f in ("exit_code:137", "exit_code:-1073741819", "signal:15", "job_failed:x"))
+
+
+def test_a_gateway_pause_stopped_by_sigterm_withdraws_its_pause(redis_url, prefix):
+    """``agl-trainer gateway pause`` killed by SIGTERM mid-drain (``timeout 60 agl-trainer gateway pause``, a CI step
+    limit, a Job's end) left its pause held for an hour with no owner, its id never printed: every agent's calls
+    were held. SIGTERM is Ctrl-C for every command now: the pause is withdrawn, one line, exit 130; the id is named
+    before the pause is held."""
+    import subprocess
+    import sys
+    import time
+
+    from agl_common.schemas import ReplicaStatus
+    from agl_common.store import Store
+
+    async def with_store(fn):
+        store = Store(redis_url, prefix)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    # a replica with a call in flight that never drains
+    asyncio.run(with_store(lambda s: s.heartbeat(ReplicaStatus(replica_id="busy", in_flight=1))))
+    proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "gateway", "pause", "--timeout", "60",
+                             "--redis", redis_url, "--prefix", prefix],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not asyncio.run(with_store(lambda s: s.pauses())) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        held = asyncio.run(with_store(lambda s: s.pauses()))
+        assert held, "the pause was never published"
+        proc.send_signal(15)
+        out, errs = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = asyncio.run(with_store(lambda s: s.pauses()))
+    (pause,) = held
+    assert (proc.returncode, left) == (130, {}), (proc.returncode, left, errs)
+    assert "Traceback" not in errs and f"pausing: pause {pause}" in errs and "withdrawn" in errs, errs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -672,11 +673,16 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
         finally:
             await store.close()
 
+    # named before it is held: a pause whose CLI is killed outright (SIGKILL) can still be ended alone
+    err.print(f"pausing: pause {pause}, waiting up to {timeout:g} s for the drain", markup=False, highlight=False)
     try:
         replicas = asyncio.run(main())
     except DrainTimeout as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: pause_and_drain withdrew the pause on its way out
+        err.print(f"interrupted: pause {pause} withdrawn", markup=False, highlight=False)
+        raise typer.Exit(130) from None
     console.print(f"paused and drained: {len(replicas)} replica(s); pause {pause} "
                   f"(end it with: agl-trainer gateway resume --pause {pause})")
 
@@ -774,6 +780,9 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())  # directory imports from the console script too
     if not sys.stdout.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
+    # SIGTERM (`timeout`, systemd, a Job's end, a CI step limit) is Ctrl-C for every command: each command's own
+    # clean-up runs (`gateway pause` killed mid-drain left its pause held for an hour, its id never printed)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from agl_common.store import redis_error_line
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
