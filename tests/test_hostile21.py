@@ -134,3 +134,32 @@ def test_a_gateway_pause_stopped_by_sigterm_withdraws_its_pause(redis_url, prefi
     (pause,) = held
     assert (proc.returncode, left) == (130, {}), (proc.returncode, left, errs)
     assert "Traceback" not in errs and f"pausing: pause {pause}" in errs and "withdrawn" in errs, errs
+
+
+def test_redis_urls_the_store_cannot_use_are_refused_and_a_non_cluster_is_one_line():
+    """``?decode_responses=true`` passed the URL check, then every Store read was a traceback (``'str' object has
+    no attribute 'decode'``; a gateway served calls but could never pause); a cluster URL dropped every option but
+    ``retries`` silently; ``redis+cluster://`` naming a plain Redis was a ``RedisClusterException`` traceback in
+    every CLI. Now the first two are refused at start, the third is one line (a gateway does not start)."""
+    import subprocess
+    import sys
+
+    from agl_common.store import check_redis_url
+
+    for url in ("redis://127.0.0.1:6379/0?decode_responses=true", "redis://h/0?decode_responses",
+                "rediss://h/0?encoding=latin1", "redis://h/0?legacy_responses=false",
+                "redis+cluster://h:7000?decode_responses=1", "redis+cluster://h:7000?socket_timeout=1",
+                "redis+cluster://h:7000?retries=x", "redis+cluster://h:7000?retries=1&retries=2"):
+        with pytest.raises(ValueError, match="bad Redis URL"):
+            check_redis_url(url)
+    for url in ("redis://h/0?protocol=2", "redis://h/0?socket_timeout=3", "redis+cluster://h:7000?retries=5"):
+        assert check_redis_url(url) == url
+    plain_as_cluster = "redis+cluster://127.0.0.1:6379"  # the tests' own Redis, which is no cluster node
+    for argv, rc in ((["agl_trainer", "rollouts", "list"], 1), (["agl_trainer", "gateway", "status"], 1),
+                     (["agl_controller", "run", "--mode", "local", "--command", "true"], 1),
+                     (["agl_gateway", "serve", "--upstream", "http://127.0.0.1:9/v1", "--open", "--port", "0"], 2)):
+        got = subprocess.run([sys.executable, "-m", *argv, "--redis", plain_as_cluster], capture_output=True,
+                             text=True, timeout=120)
+        assert got.returncode == rc and "Traceback" not in got.stderr and "not a Redis Cluster" in got.stderr, \
+            (argv, got.returncode, got.stderr[-2000:])
+        assert len(got.stderr.strip().splitlines()) == 1, got.stderr

@@ -54,7 +54,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
@@ -112,6 +112,9 @@ RETRYABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotC
              TryAgainError)
 #: URL schemes that select redis-py's cluster client (``redis+cluster://host:port[,host:port...]``).
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+#: Options of a Redis URL that change the shape or type of replies (redis-py passes them to every connection):
+#: refused by :func:`connect`, the Store reads bytes in RESP2 shapes.
+REPLY_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors", "legacy_responses"})
 
 #: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
 #: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
@@ -313,6 +316,19 @@ class _RedisCluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         return await _race_as_connection_error(super().execute_command(*args, **kwargs), args[0])
 
+    async def initialize(self, *args: Any, **kwargs: Any) -> _RedisCluster:
+        """redis-py's, with its set-up failures as the errors every caller handles: a server that answers but is no
+        cluster node (``CLUSTER SLOTS`` refused) → :class:`StoreRefused`; no node reachable, or slots not (yet)
+        agreed or covered → :class:`redis.exceptions.ConnectionError` (a bare ``RedisClusterException`` was a
+        traceback in every CLI)."""
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            if isinstance(exc.__cause__, (RedisClusterException, ResponseError)):
+                raise StoreRefused(f"the server is not a Redis Cluster node ({exc.__cause__}); a single Redis "
+                                   "takes a redis:// URL") from None
+            raise RedisConnectionError(str(exc)) from exc
+
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> _ClusterPipeline:
         if shard_hint:
             raise RedisClusterException("shard_hint is deprecated in cluster mode")
@@ -368,6 +384,11 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     database (Redis Cluster only has db 0): ``ValueError``.
     """
     parts = urlsplit(url)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    changes_replies = sorted(REPLY_OPTIONS & set(query))
+    if changes_replies:  # the Store reads bytes in redis-py's RESP2 shapes; decoded replies broke every command
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{', ?'.join(changes_replies)} changes what Redis "
+                         "replies look like; AGL sets that itself")
     if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
         # (redis-py reads a path it cannot parse, ``/abc`` or ``/1/x``, as database 0 without a word)
         raise ValueError(f"bad Redis URL {redacted_url(url)}: the path must be a database number, got "
@@ -400,10 +421,15 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
         raise ValueError(f"no node in Redis Cluster URL {redacted_url(url)}")
     auth = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
     user, _, password = auth.partition(":")
-    opts = {k: v for k, v in (q.split("=", 1) for q in parts.query.split("&") if "=" in q)}
+    if set(query) - {"retries"}:  # (nothing else of the query was read: every other option was silently dropped)
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: a Redis Cluster URL takes ?retries=N only, got "
+                         f"?{', ?'.join(sorted(set(query) - {'retries'}))}")
     # Failover: a replica is promoted after ``cluster-node-timeout`` (15 s by default); retry connection errors
     # with a short capped backoff for about that long instead of redis-py's default 3 tries.
-    retries = int(opts.get("retries", 40))
+    given = query.get("retries", ["40"])
+    if len(given) != 1 or not re.fullmatch(r"[0-9]{1,4}", given[0]):
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: ?retries takes one number of tries (0-9999)")
+    retries = int(given[0])
     return _RedisCluster(
         startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None,
         ssl=CLUSTER_SCHEMES[parts.scheme] == "rediss", max_connections=max_connections,
