@@ -81,6 +81,10 @@ class FakeK8s:
                         return self._send(*fake.create_job(ns, body))
                     if method == "DELETE" and name:
                         return self._send(*fake.delete_job(ns, name))
+                    if method == "GET" and name:
+                        job = fake.job(name, ns)
+                        return self._send(200, job) if job is not None else \
+                            self._send(404, _status(404, "NotFound", f'jobs.batch "{name}" not found'))
                     if method == "GET" and name is None:
                         if q.get("watch") == "true":
                             return self._watch(ns, q)

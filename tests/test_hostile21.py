@@ -163,3 +163,39 @@ def test_redis_urls_the_store_cannot_use_are_refused_and_a_non_cluster_is_one_li
         assert got.returncode == rc and "Traceback" not in got.stderr and "not a Redis Cluster" in got.stderr, \
             (argv, got.returncode, got.stderr[-2000:])
         assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+
+
+async def test_a_rollout_id_cannot_take_another_rollouts_job_name(store):
+    """``task-7-ca84aec5`` (ca84aec5: the first 8 hex digits of sha256("Task-7")) kept its name as it is, which was
+    the changed name of rollout ``Task-7``: created first, its Job held that name; ``Task-7``'s create got 409,
+    taken as its own Job, and it ended ``job_lost`` while the other's Job ran. A kept id can no longer end as a
+    changed id's hash does (16 hex digits now), and a 409 goes on only for this attempt's own Job."""
+    import hashlib
+
+    from agl_common.schemas import RolloutStatus
+    from agl_controller.k8s import job_name
+    from fake_k8s import FakeK8s
+    from test_controller_k8s import runner
+
+    victim = "Task-7"
+    digest = hashlib.sha256(victim.encode()).hexdigest()
+    for digits in (8, 16):  # the hash's length before and now
+        assert job_name(f"task-7-{digest[:digits]}", "0") != job_name(victim, "0"), digits
+    with FakeK8s() as fake:
+        run = runner(store, fake, controller_id="k21")
+        # the name is held by another rollout's Job (a hash collision, or a Job made by hand)
+        await store.create_rollout(Rollout(rollout_id="other"), enqueue=False)
+        await store.create_rollout(Rollout(rollout_id=victim), enqueue=True)
+        other = run.renderer.render(Rollout(rollout_id="other", status=RolloutStatus.running))
+        other["metadata"]["name"] = job_name(victim, "0")
+        assert fake.create_job("default", other)[0] == 201
+        assert await run.launch_some() == 1
+        got = await store.get_rollout(victim)
+        assert (got.status, got.failure) == (RolloutStatus.failed, "spawn_error"), got
+        # this attempt's own Job (created before a crash): the 409 is taken as created
+        again = Rollout(rollout_id="mine")
+        await store.create_rollout(again, enqueue=True)
+        mine = run.renderer.render(Rollout(rollout_id="mine", status=RolloutStatus.running))
+        assert fake.create_job("default", mine)[0] == 201
+        assert await run.launch_some() == 1
+        assert (await store.get_rollout("mine")).status == RolloutStatus.running

@@ -80,17 +80,26 @@ def _hash(text: str, n: int = 8) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
+#: The hash a changed rollout id's Job name carries: 16 hex digits (64 bits), beyond a search for a second id of the
+#: same hash (32 bits were: a few seconds of a C loop).
+JOB_HASH_DIGITS = 16
+_HASHED = re.compile(rf".*-[0-9a-f]{{{JOB_HASH_DIGITS}}}")
+
+
 def job_name(rollout_id: str, attempt_id: str) -> str:
     """``agl-{rollout}-{attempt}`` as a DNS-1123 label (lower-case alphanumerics and '-', ≤ 63 chars).
 
-    When the id had to be changed (other characters, or too long), a hash of the exact id is added
-    before the attempt, so that distinct rollouts never share a name.
+    When the id had to be changed (other characters, or too long), a hash of the exact id
+    (:data:`JOB_HASH_DIGITS` hex digits) is added before the attempt; an id that already ends as such a hash
+    does (``-`` and 16 hex digits) is hashed too, so that no id kept as it is can take a changed id's name.
+    Distinct rollouts never share a name short of a 64-bit hash collision, and
+    :meth:`K8sRunner.launch` checks whose Job an existing name holds.
     """
     base = re.sub(r"[^a-z0-9-]+", "-", rollout_id.lower()).strip("-")
     name = f"agl-{base}-{attempt_id}"
-    if base == rollout_id and len(name) <= 63:
+    if base == rollout_id and len(name) <= 63 and not _HASHED.fullmatch(rollout_id):
         return name
-    suffix = f"-{_hash(rollout_id)}-{attempt_id}"
+    suffix = f"-{_hash(rollout_id, JOB_HASH_DIGITS)}-{attempt_id}"
     return ("agl-" + base[: 63 - 4 - len(suffix)]).rstrip("-") + suffix
 
 
@@ -499,14 +508,34 @@ class K8sRunner(Runner):
         try:
             await asyncio.to_thread(self.batch.create_namespaced_job, self.namespace, job)
         except ApiException as exc:
-            if exc.status != 409:  # 409 AlreadyExists: this attempt's Job was created before a crash
+            if exc.status != 409:
                 log.warning("cannot create Job for %s: %s %s", rollout_id, exc.status, exc.reason)
+                return await self.finish_attempt(rollout_id, rollout.attempt_id, "spawn_error", check_calls=False)
+            # 409 AlreadyExists: this attempt's Job, created before a crash, or another's of the same name
+            owner = await self._job_owner(job.metadata.name)
+            if owner != (rollout_id, rollout.attempt_id):
+                log.warning("cannot create Job %s for rollout %s attempt %s: the name is held by %s",
+                            job.metadata.name, rollout_id, rollout.attempt_id,
+                            "an unknown Job" if owner is None else f"rollout {owner[0]!r} attempt {owner[1]}")
                 return await self.finish_attempt(rollout_id, rollout.attempt_id, "spawn_error", check_calls=False)
         except Exception as exc:  # API server unreachable
             log.warning("cannot create Job for %s: %s", rollout_id, exc)
             return await self.finish_attempt(rollout_id, rollout.attempt_id, "spawn_error", check_calls=False)
         log.info("rollout %s attempt %s: Job %s created", rollout_id, rollout.attempt_id, manifest["metadata"]["name"])
         return rollout
+
+    async def _job_owner(self, name: str) -> tuple[str, str] | None:
+        """The (rollout id, attempt id) Job ``name`` was made for (its annotation and label), ``None`` if it names
+        none or cannot be read (then it is no Job of ours to follow)."""
+        try:
+            existing = await asyncio.to_thread(self.batch.read_namespaced_job, name, self.namespace)
+        except Exception as exc:  # noqa: BLE001 - gone meanwhile (404), the API server: not ours to follow
+            log.warning("cannot read Job %s: %s", name, exc)
+            return None
+        meta = existing.metadata
+        rid = (meta.annotations or {}).get(ROLLOUT_ANNOTATION)
+        aid = (meta.labels or {}).get(ATTEMPT_LABEL)
+        return (rid, aid) if rid is not None and aid is not None else None
 
     async def adopt_running(self, rollout: Rollout) -> None:
         """A dead controller's running rollout: keep the claim; :meth:`reconcile_jobs` follows its Job."""
