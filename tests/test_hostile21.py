@@ -199,3 +199,27 @@ async def test_a_rollout_id_cannot_take_another_rollouts_job_name(store):
         assert fake.create_job("default", mine)[0] == 201
         assert await run.launch_some() == 1
         assert (await store.get_rollout("mine")).status == RolloutStatus.running
+
+
+def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_url, prefix):
+    """``agl-trainer eval`` with an ``engine_url`` nothing answers at ran every rollout into a 502, printed accuracy
+    0.000, wrote it to eval.json and exited 0: a typo gave a plausible score. The stack's start-up checks an engine
+    it did not start, for eval as for train: one line, exit 1, nothing evaluated."""
+    import json
+    from pathlib import Path
+
+    import yaml
+    from agl_trainer.cli import app
+    from typer.testing import CliRunner
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "tasks.py").write_text("def heldout_problems():\n    return [{'question': '1 + 1?', 'answer': 2}]\n")
+    cfg = {"command": f"python {root / 'tests' / 'harnesses' / 'eval_agent.py'}",
+           "task_file": str(tmp_path / "tasks.py"), "eval_size": 1,
+           "engine_url": "http://user:enginepass@127.0.0.1:1", "redis_url": redis_url, "prefix": prefix,
+           "out_dir": str(tmp_path / "runs"), "rollout_timeout_s": 30}
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
+    assert res.exit_code == 1 and "cannot be reached" in res.output and "enginepass" not in res.output, res.output
+    assert not list((tmp_path / "runs").glob("eval-*/eval.json"))
+    assert "accuracy" not in res.output and not res.stdout.strip().startswith("{"), json.dumps(res.output)

@@ -31,6 +31,22 @@ SWAP_ROUTES = {"merged": (("/collective_rpc", "/reset_prefix_cache"), "VLLM_SERV
                            "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")}
 
 
+async def check_reachable(engine_url: str) -> None:
+    """Check, before a run or an evaluation starts on an engine it did not start, that every engine of
+    ``engine_url`` answers ``GET /v1/models`` with 200 (with this process's ``AGL_UPSTREAM_KEY``, if any): an engine
+    out of reach made every rollout fail and an evaluation report accuracy 0 with exit 0. Raises
+    :class:`EngineError` naming the engine (its URL without secrets) and what it answered."""
+    async with httpx.AsyncClient(timeout=30, headers=engine_headers()) as http:
+        for url in engine_urls(engine_url):
+            try:
+                status = (await http.get(url + "/v1/models")).status_code
+            except httpx.HTTPError as exc:
+                raise EngineError(f"engine {redacted_url(url)} cannot be reached: {type(exc).__name__}") from None
+            if status != 200:
+                hint = " (the engine's key: AGL_UPSTREAM_KEY)" if status in (401, 403) else ""
+                raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {status}{hint}")
+
+
 async def check_engine(engine_url: str, serving: str) -> None:
     """Check, before a run starts, that every engine of ``engine_url`` serves the routes ``serving`` (``merged``
     or ``adapter``) swaps a policy with, so that an engine this run did not start cannot fail the first swap
