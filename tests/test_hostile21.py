@@ -223,3 +223,47 @@ def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_
     assert res.exit_code == 1 and "cannot be reached" in res.output and "enginepass" not in res.output, res.output
     assert not list((tmp_path / "runs").glob("eval-*/eval.json"))
     assert "accuracy" not in res.output and not res.stdout.strip().startswith("{"), json.dumps(res.output)
+
+
+def test_a_reward_worker_ends_with_its_controller_killed_outright(tmp_path):
+    """(The fix above's own risk.) A worker in a group of its own is out of reach of a ``killpg`` of its controller
+    (``Services`` ends a controller that does not stop in 10 s that way): a hung judge's worker would have lived on
+    for ever. The worker asks Linux for SIGKILL when its controller dies."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "controller.py"
+    script.write_text(f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path(__file__).parent / "harnesses")!r})
+from agl_controller.reward import RewardPool
+
+async def main():
+    pool = RewardPool("rewards:hostile", idle=1)
+    task = asyncio.create_task(pool.score({{"kind": "hang"}}, "", 3600))
+    while not pool._idle and not __import__("agl_controller.reward", fromlist=["_live"])._live:
+        await asyncio.sleep(0.05)
+    (worker,) = list(__import__("agl_controller.reward", fromlist=["_live"])._live)
+    print(worker.proc.pid, flush=True)
+    await task
+
+if __name__ == "__main__":  # (the spawned worker imports this file as __mp_main__)
+    asyncio.run(main())
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(1)  # the worker imported its function and runs it
+        assert _running(worker)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 10
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running = _running(worker)
+    if running:
+        os.kill(worker, 9)
+    assert not running, "the reward worker outlived its controller"

@@ -69,9 +69,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _serve(conn, spec: str) -> None:
+def _serve(conn, spec: str, parent: int) -> None:
     """A worker's main: load ``spec``, say so, then answer ``(input, output)`` requests with ``(True, reward)``
-    or ``(False, message)`` until the controller closes the pipe."""
+    or ``(False, message)`` until the controller (pid ``parent``) closes the pipe or dies."""
     from agl_common.proc_secrets import hide_from_proc
     from agl_common.schemas import check_reward
 
@@ -80,7 +80,14 @@ def _serve(conn, spec: str) -> None:
     hide_from_proc((), dumpable=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the controller, which decides
     os.setsid()  # a process group of its own: what the function starts (a test run, model-written code) is killed
-    # with the worker (_Worker.kill), not left running as the controller's user after a timeout
+    # with the worker (_Worker.kill), not left running as the controller's user after a timeout. Out of the
+    # controller's group, a killpg of the controller (Services' SIGKILL) no longer reaches the worker: it asks Linux
+    # for SIGKILL when the controller dies instead (its function's own processes live on only then)
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the controller died before that took effect
+        os._exit(0)
     try:
         fn = load_reward_fn(spec)
     except ValueError as exc:
@@ -139,7 +146,7 @@ class _Worker:
     def __init__(self, spec: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec), name="agl-reward-fn", daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, spec, os.getpid()), name="agl-reward-fn", daemon=True)
         self.proc.start()
         child.close()
         _live.add(self)
