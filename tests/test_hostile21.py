@@ -267,3 +267,28 @@ if __name__ == "__main__":  # (the spawned worker imports this file as __mp_main
     if running:
         os.kill(worker, 9)
     assert not running, "the reward worker outlived its controller"
+
+
+async def test_claims_a_controller_holds_by_no_run_are_adopted_while_it_lives(store, tmp_path):
+    """After a short Redis outage, runs whose outcome could not be written (not even ``controller_error``) and a
+    claim whose answer was lost stayed in the live controller's processing list: ``running`` or ``queuing`` for as
+    long as it lived (only a restart under its id adopted them). Each reconcile now looks for claims none of its
+    runs holds; one found at two reconciles in a row is adopted as a dead controller's claim is."""
+    from agl_controller.local import LocalRunner
+
+    runner = LocalRunner(store, "http://127.0.0.1:9", "true", "m", log_dir=tmp_path / "logs", controller_id="c21",
+                         max_attempts=1)
+    for rid in ("lost-run", "lost-queued", "held"):
+        await store.create_rollout(Rollout(rollout_id=rid), enqueue=True)
+    claimed = [await store.claim_queued("c21", timeout_s=None) for _ in range(3)]
+    assert sorted(claimed) == ["held", "lost-queued", "lost-run"]
+    assert await runner.start_attempt("lost-run") is not None  # its run ended; its outcome was never written
+    runner._attempts.pop("lost-run")
+    runner._in_hand["held"] += 1  # a run of this controller holds it
+    assert await runner.reconcile_claims() == 0  # seen once: not yet (a claim being made looks the same)
+    assert await runner.reconcile_claims() == 2
+    lost = await store.get_rollout("lost-run")
+    assert (lost.status, lost.failure) == (RolloutStatus.failed, "controller_lost"), lost
+    assert (await store.get_rollout("lost-queued")).status == RolloutStatus.queuing
+    assert await store.claimed("c21") == ["held"] and await store.pop_queued() == "lost-queued"
+    assert (await store.get_rollout("held")).status == RolloutStatus.queuing  # untouched

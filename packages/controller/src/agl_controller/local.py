@@ -33,6 +33,7 @@ import os
 import shlex
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -224,6 +225,9 @@ class LocalRunner(Runner):
         self._procs: dict[tuple[str, str], object] = {}
         self._interrupted: set[tuple[str, str]] = set()  # attempts whose run this controller's shutdown signalled
         self._tasks: set[asyncio.Task] = set()
+        #: rollout id → how many of this controller's tasks hold its claim (claimed, running, writing its outcome)
+        self._in_hand: Counter[str] = Counter()
+        self._suspects: set[str] = set()  # claims in our list held by no task at the last reconcile
         self._stopping = False
         self._stop: asyncio.Event | None = None  # run_forever's
         self._lost_users: list[HarnessUser] = []  # users whose processes could not be ended
@@ -317,6 +321,7 @@ class LocalRunner(Runner):
                 if rid is None:
                     self._sem.release()
                     continue
+                self._in_hand[rid] += 1  # (no await since the claim: a reconcile never sees it held by nobody)
                 task = asyncio.create_task(self._guarded(rid))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -348,12 +353,45 @@ class LocalRunner(Runner):
             await self.run_one(rollout_id)
         except Exception:  # a bug: never leave a claimed rollout running on a live controller (nobody adopts it)
             log.exception("run of rollout %s failed unexpectedly; ending it as controller_error", rollout_id)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # (Redis gone too: the claim is an orphan, see reconcile_claims)
                 rollout = await self.store.get_rollout(rollout_id)
                 if rollout.status == RolloutStatus.running:
                     await self.finish_attempt(rollout_id, rollout.attempt_id, "controller_error", check_calls=False)
         finally:
+            self._in_hand[rollout_id] -= 1
+            if self._in_hand[rollout_id] <= 0:
+                del self._in_hand[rollout_id]
             self._sem.release()
+
+    async def reconcile_claims(self, startup: bool = False) -> int:
+        """The base's (dead controllers' claims), then this controller's own orphan claims: ids in its processing
+        list that no task of it holds, at two reconciles in a row (``lease_ttl_s`` apart: never one being claimed
+        right now). A run whose outcome could not be written, not even as ``controller_error`` (Redis went away
+        under it), or a claim whose answer was lost, left its rollout ``running`` (or ``queuing``) and claimed by a
+        live controller, which nobody adopts: until a restart under the same id. Each is adopted as a dead
+        controller's claim is (``queuing``: queued again; ``running``: ended ``controller_lost``, retried if
+        ``retry_on`` says so; finished: released). Returns the number of ids adopted."""
+        adopted = await super().reconcile_claims(startup)
+        if startup or self._stopping:
+            return adopted
+        held_by_none = {rid for rid in await self.store.claimed(self.controller_id) if not self._in_hand[rid]}
+        orphans, self._suspects = held_by_none & self._suspects, held_by_none - self._suspects
+        for rid in sorted(orphans):
+            if self._in_hand[rid] or self._stopping:  # claimed again meanwhile
+                continue
+            log.warning("rollout %s: claimed by this controller, held by none of its runs (its outcome or start was "
+                        "not written: Redis went away?): adopted", rid)
+            self._in_hand[rid] += 1
+            try:
+                await self.adopt(rid)
+                adopted += 1
+            except Exception:  # noqa: BLE001 - Redis still away: tried again at the next reconcile
+                log.exception("adopting orphan claim %s failed", rid)
+            finally:
+                self._in_hand[rid] -= 1
+                if self._in_hand[rid] <= 0:
+                    del self._in_hand[rid]
+        return adopted
 
     async def _watch(self, proc, waiter: asyncio.Future, log: RunLog, t0: float) -> str | None:
         """Wait for the run to end: its failure (:func:`_outcome`), ``timeout`` past ``timeout_s`` or ``log_limit``
