@@ -181,6 +181,9 @@ async def test_a_rollout_id_cannot_take_another_rollouts_job_name(store):
     digest = hashlib.sha256(victim.encode()).hexdigest()
     for digits in (8, 16):  # the hash's length before and now
         assert job_name(f"task-7-{digest[:digits]}", "0") != job_name(victim, "0"), digits
+    for nothing_kept in ("_", "__", "_.", "_@:"):  # (the ninth prober) a name with no part of the id: the hash alone
+        alone = hashlib.sha256(nothing_kept.encode()).hexdigest()[:16]
+        assert job_name(alone, "0") != job_name(nothing_kept, "0"), nothing_kept
     with FakeK8s() as fake:
         run = runner(store, fake, controller_id="k21")
         # the name is held by another rollout's Job (a hash collision, or a Job made by hand)
@@ -223,6 +226,19 @@ def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_
     assert res.exit_code == 1 and "cannot be reached" in res.output and "enginepass" not in res.output, res.output
     assert not list((tmp_path / "runs").glob("eval-*/eval.json"))
     assert "accuracy" not in res.output and not res.stdout.strip().startswith("{"), json.dumps(res.output)
+
+    # (the ninth prober) a web server at a mistyped port: 200 and an HTML page for every GET
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse
+    from fakes import Served
+
+    web = FastAPI()
+    web.get("/v1/models")(lambda: HTMLResponse("<html><body>It works!</body></html>"))
+    with Served(web) as server:
+        (tmp_path / "eval.yaml").write_text(yaml.safe_dump({**cfg, "engine_url": server.url}))
+        res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
+    assert res.exit_code == 1 and "listed no model" in res.output, res.output
+    assert not list((tmp_path / "runs").glob("eval-*/eval.json"))
 
 
 def test_a_reward_worker_ends_with_its_controller_killed_outright(tmp_path):

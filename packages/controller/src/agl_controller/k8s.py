@@ -83,7 +83,7 @@ def _hash(text: str, n: int = 8) -> str:
 #: The hash a changed rollout id's Job name carries: 16 hex digits (64 bits), beyond a search for a second id of the
 #: same hash (32 bits were: a few seconds of a C loop).
 JOB_HASH_DIGITS = 16
-_HASHED = re.compile(rf".*-[0-9a-f]{{{JOB_HASH_DIGITS}}}")
+_HASHED = re.compile(rf"(.*-)?[0-9a-f]{{{JOB_HASH_DIGITS}}}")  # (alone too: the name of an id with nothing kept)
 
 
 def job_name(rollout_id: str, attempt_id: str) -> str:
@@ -91,7 +91,8 @@ def job_name(rollout_id: str, attempt_id: str) -> str:
 
     When the id had to be changed (other characters, or too long), a hash of the exact id
     (:data:`JOB_HASH_DIGITS` hex digits) is added before the attempt; an id that already ends as such a hash
-    does (``-`` and 16 hex digits) is hashed too, so that no id kept as it is can take a changed id's name.
+    does (16 hex digits, alone or after a ``-``: ``_``'s name is ``agl-{hash}-0``) is hashed too, so that no id kept
+    as it is can take a changed id's name.
     Distinct rollouts never share a name short of a 64-bit hash collision, and
     :meth:`K8sRunner.launch` checks whose Job an existing name holds.
     """

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from agl_common.schemas import Policy
+from agl_common.schemas import Policy, listed_models
 from agl_common.settings import redacted_url
 
 from .engines import NoEngine
@@ -147,22 +147,8 @@ async def served_model(st: GatewayState, url: str, timeout_s: float) -> str:
     async with st.http.get(url + "/models", timeout=aiohttp.ClientTimeout(total=timeout_s),
                            allow_redirects=False) as resp:
         raw = await read_bounded(resp, ANSWER_BYTES_MAX) if resp.status == 200 else None
-    try:
-        data = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        data = None
-    try:
-        name = data["data"][0]["id"]
-    except (TypeError, KeyError, IndexError):
-        raise ValueError(f"GET {redacted_url(url)}/models listed no model") from None
-    if not isinstance(name, str):
-        raise ValueError(f"GET {redacted_url(url)}/models listed a model id that is not a string")
-    try:  # a name no policy can have ("" was: every call and /v1/models a 500, the discovery task dead)
-        Policy(model=name)
-    except ValueError:
-        raise ValueError(f"GET {redacted_url(url)}/models listed the model id {name[:80]!r}, which is no "
-                         "served name") from None
-    return name
+    # (a name no policy can have, "", was: every call and /v1/models a 500, the discovery task dead)
+    return listed_models(raw, f"GET {redacted_url(url)}/models")[0]
 
 
 async def current_policy(st: GatewayState) -> Policy:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
+from agl_common.schemas import listed_models
 from agl_common.settings import engine_base_urls, engine_headers, redacted_url
 from agl_common.store import Store
 
@@ -33,18 +34,23 @@ SWAP_ROUTES = {"merged": (("/collective_rpc", "/reset_prefix_cache"), "VLLM_SERV
 
 async def check_reachable(engine_url: str) -> None:
     """Check, before a run or an evaluation starts on an engine it did not start, that every engine of
-    ``engine_url`` answers ``GET /v1/models`` with 200 (with this process's ``AGL_UPSTREAM_KEY``, if any): an engine
-    out of reach made every rollout fail and an evaluation report accuracy 0 with exit 0. Raises
+    ``engine_url`` answers ``GET /v1/models`` with 200 and a models list (:func:`agl_common.schemas.listed_models`,
+    as the gateway reads it; with this process's ``AGL_UPSTREAM_KEY``, if any): an engine out of reach, or a web
+    server at a mistyped port, made every rollout fail and an evaluation report accuracy 0 with exit 0. Raises
     :class:`EngineError` naming the engine (its URL without secrets) and what it answered."""
     async with httpx.AsyncClient(timeout=30, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             try:
-                status = (await http.get(url + "/v1/models")).status_code
+                resp = await http.get(url + "/v1/models")
             except httpx.HTTPError as exc:
                 raise EngineError(f"engine {redacted_url(url)} cannot be reached: {type(exc).__name__}") from None
-            if status != 200:
-                hint = " (the engine's key: AGL_UPSTREAM_KEY)" if status in (401, 403) else ""
-                raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {status}{hint}")
+            if resp.status_code != 200:
+                hint = " (the engine's key: AGL_UPSTREAM_KEY)" if resp.status_code in (401, 403) else ""
+                raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {resp.status_code}{hint}")
+            try:
+                listed_models(resp.content, f"engine {redacted_url(url)} (GET /v1/models)")
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
 
 
 async def check_engine(engine_url: str, serving: str) -> None:
