@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import os
 
+import orjson
 import pytest
-
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
+from test_gateway import make_rollout, upstream  # noqa: F401 (fixture)
 
 
 
@@ -308,3 +309,44 @@ async def test_claims_a_controller_holds_by_no_run_are_adopted_while_it_lives(st
     assert (await store.get_rollout("lost-queued")).status == RolloutStatus.queuing
     assert await store.claimed("c21") == ["held"] and await store.pop_queued() == "lost-queued"
     assert (await store.get_rollout("held")).status == RolloutStatus.queuing  # untouched
+
+
+async def test_an_event_whose_body_arrives_after_its_rollout_ended_is_refused(store, redis_url, prefix, upstream):
+    """An event's head passed the route's check while the rollout ran; the rollout then ended (or was retried)
+    before the body arrived, and the event was stored under the ended attempt with a 200. The store now checks the
+    rollout in the same step as it writes a harness's event, as it does for a call record: 409, nothing stored."""
+    import socket
+
+    from agl_common.auth import scoped_key
+    from agl_common.schemas import EVENTS_PER_ATTEMPT_MAX
+    from agl_common.store import RecordRefused
+    from test_gateway import gateway
+
+    for rid, end in (("ev-done", "succeed"), ("ev-retried", "retry")):
+        await make_rollout(store, rid)
+        with gateway(redis_url, prefix, upstream.url, key="admin-key-0123456789abcdef") as gw:
+            body = orjson.dumps({"type": "note", "data": {"x": 1}})
+            head = (f"POST /rollouts/{rid}/attempts/0/events HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Authorization: Bearer {scoped_key('admin-key-0123456789abcdef', rid, '0')}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            host, port = gw.url.removeprefix("http://").split(":")
+            s = socket.create_connection((host, int(port)), timeout=30)
+            try:
+                s.sendall(head)
+                await asyncio.sleep(1.0)  # the route has resolved who is asking and waits for the body
+                if end == "succeed":
+                    await store.update_rollout(rid, lambda r: setattr(r, "status", RolloutStatus.succeeded))
+                else:
+                    await store.retry_attempt(rid, "0")
+                s.sendall(body)
+                answer = s.recv(65536).decode()
+            finally:
+                s.close()
+        assert answer.startswith("HTTP/1.1 409") and "was not recorded" in answer, (rid, answer[:500])
+        assert await store.read_events(rid) == [], rid
+    # the store's own rule, and the controller's events (no cap) as before
+    with pytest.raises(RecordRefused, match="rollout_finished"):
+        await store.add_event("ev-done", "0", "note", {}, max_events=EVENTS_PER_ATTEMPT_MAX)
+    with pytest.raises(RecordRefused, match="stale_attempt"):
+        await store.add_event("ev-retried", "0", "note", {}, max_events=EVENTS_PER_ATTEMPT_MAX)
+    assert await store.add_event("ev-done", "0", "attempt_failed", {})

@@ -121,9 +121,27 @@ REPLY_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors", "l
 #: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
 #: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
 #: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
-#: Append an event unless the stream holds ARGV[2] already (one step: concurrent posts cannot pass the cap).
-#: KEYS: events stream, per-attempt counts (one slot); ARGV: event JSON, most events an attempt may post, attempt id.
-_ADD_EVENT = """
+
+
+def _lua_open_attempt(rollout: str, attempt: str) -> str:
+    """Lua that returns -1 (no such rollout), -2 (another attempt runs) or -3 (it finished) unless the rollout JSON
+    at key ``rollout`` is on attempt ``attempt`` and queuing or running (:data:`RECORD_REFUSED`): what a harness
+    writes (a call record, an event) is checked against the rollout in the same step as the write."""
+    return f"""
+local raw = redis.call('GET', {rollout})
+if not raw then return -1 end
+local ok, rollout = pcall(cjson.decode, raw)
+if not ok or type(rollout) ~= 'table' then return -1 end
+if rollout['attempt_id'] ~= {attempt} then return -2 end
+if rollout['status'] ~= 'queuing' and rollout['status'] ~= 'running' then return -3 end
+"""
+
+
+#: Append a harness's event while its attempt is open (as a call record: :func:`_lua_open_attempt`) and the stream
+#: holds fewer than ARGV[2] of the attempt's (one step: concurrent posts cannot pass the cap, an event posted as
+#: the rollout ends cannot land after it). KEYS: events stream, per-attempt counts, the rollout (one slot); ARGV:
+#: event JSON, most events an attempt may post, attempt id.
+_ADD_EVENT = _lua_open_attempt("KEYS[3]", "ARGV[3]") + """
 if tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or '0') >= tonumber(ARGV[2]) then return false end
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
 return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
@@ -188,12 +206,7 @@ if done then
   redis.call('HSET', KEYS[3], ARGV[2], done)
   return tonumber(done)
 end
-local raw = redis.call('GET', KEYS[4])
-if not raw then return -1 end
-local ok, rollout = pcall(cjson.decode, raw)
-if not ok or type(rollout) ~= 'table' then return -1 end
-if rollout['attempt_id'] ~= ARGV[3] then return -2 end
-if rollout['status'] ~= 'queuing' and rollout['status'] ~= 'running' then return -3 end
+""" + _lua_open_attempt("KEYS[4]", "ARGV[3]") + """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return -4 end
 if tonumber(redis.call('HGET', KEYS[3], '_bytes') or '0') + string.len(ARGV[1]) > tonumber(ARGV[5]) then
   return -5
@@ -826,17 +839,24 @@ class Store:
 
     async def add_event(self, rollout_id: str, attempt_id: str, type_: str, data: dict[str, Any],
                         max_events: int | None = None) -> str | None:
-        """Append an event to the rollout's stream; returns its entry id, or None (nothing written) when this
-        attempt posted ``max_events`` already (checked and appended in one step: a retried attempt starts at 0)."""
+        """Append an event to the rollout's stream; returns its entry id.
+
+        ``max_events`` (a harness's event, through the gateway): written only while ``attempt_id`` is the rollout's
+        attempt and it is queuing or running, checked in the same step as the write (else :class:`RecordRefused`,
+        as for a call record), and only while this attempt posted fewer than ``max_events`` (else ``None``,
+        nothing written; a retried attempt starts at 0). Without it (the controller's own events), as it is."""
         body = orjson.dumps({"attempt_id": attempt_id, "type": type_, "data": data, "t": time.time()})
         key = self.rollout_key("events", rollout_id)
         if max_events is None:
             entry_id = await self.r.xadd(key, {"d": body})
         else:
-            entry_id = await self._event_script(keys=[key, self.rollout_key("events", rollout_id, "n")],
-                                                args=[body, max_events, attempt_id])
+            entry_id = await self._event_script(
+                keys=[key, self.rollout_key("events", rollout_id, "n"), self.rollout_key("rollout", rollout_id)],
+                args=[body, max_events, attempt_id])
             if entry_id is None:
                 return None
+            if isinstance(entry_id, int) and entry_id < 0:
+                raise RecordRefused(RECORD_REFUSED[entry_id], rollout_id, attempt_id)
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def recent_events(self, rollout_id: str, count: int) -> tuple[int, list[dict[str, Any]]]:

@@ -62,10 +62,11 @@ _REFUSED = {"rollout_not_found": (404, "not_found_error", "is gone"),
             "too_many_bytes": (403, "permission_error", "attempt holds the most call record bytes it may")}
 
 
-def refused(exc: RecordRefused) -> ApiError:
-    """The agent's answer to a record the store refused (:class:`agl_common.store.RecordRefused`)."""
-    status, type_, what = _REFUSED[exc.code]
-    return ApiError(status, f"rollout {exc.rollout_id!r} {what}; the call was not recorded", type_, exc.code)
+def refused(exc: RecordRefused, what: str = "call") -> ApiError:
+    """The agent's answer to a record (of a ``what``: a call, an event) the store refused
+    (:class:`agl_common.store.RecordRefused`)."""
+    status, type_, why = _REFUSED[exc.code]
+    return ApiError(status, f"rollout {exc.rollout_id!r} {why}; the {what} was not recorded", type_, exc.code)
 
 
 async def write(st: GatewayState, rec: dict[str, Any]) -> None:

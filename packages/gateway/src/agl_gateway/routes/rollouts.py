@@ -6,12 +6,14 @@ from typing import Any
 
 import orjson
 from agl_common.schemas import EVENT_BYTES_MAX, EVENTS_PER_ATTEMPT_MAX, TERMINAL, EventIn, RewardIn, Rollout
+from agl_common.store import RecordRefused
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from ..errors import ApiError, bad_request, store_down
 from ..identity import Identity, caller_and_body, check_callable, not_current
+from ..recording import refused
 from ..state import state_of
 
 router = APIRouter(prefix="/rollouts/{rollout_id}/attempts/{attempt_id}")
@@ -60,9 +62,11 @@ async def events(request: Request):
     if size > EVENT_BYTES_MAX:
         raise bad_request(f"event data is {size} bytes of JSON, more than {EVENT_BYTES_MAX}", "event_too_large")
     check_callable(ident)
-    try:
+    try:  # (the rollout is checked again in the write: a body that arrives after the rollout ended is refused)
         entry = await st.store.add_event(ident.rollout_id, ident.attempt_id, body.type, body.data,
                                          max_events=EVENTS_PER_ATTEMPT_MAX)
+    except RecordRefused as exc:
+        raise refused(exc, "event") from None
     except RedisError:
         raise store_down() from None
     if entry is None:
