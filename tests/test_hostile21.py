@@ -205,7 +205,7 @@ async def test_a_rollout_id_cannot_take_another_rollouts_job_name(store):
         assert (await store.get_rollout("mine")).status == RolloutStatus.running
 
 
-def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_url, prefix):
+def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_url, prefix, monkeypatch):
     """``agl-trainer eval`` with an ``engine_url`` nothing answers at ran every rollout into a 502, printed accuracy
     0.000, wrote it to eval.json and exited 0: a typo gave a plausible score. The stack's start-up checks an engine
     it did not start, for eval as for train: one line, exit 1, nothing evaluated."""
@@ -240,6 +240,31 @@ def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_
         res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
     assert res.exit_code == 1 and "listed no model" in res.output, res.output
     assert not list((tmp_path / "runs").glob("eval-*/eval.json"))
+
+    # (the tenth prober) an answer nested 20000 deep (a RecursionError: a traceback in train, a 500 for every call
+    # of a gateway), and one that drips a byte at a time (the check waited for ever)
+    import time
+
+    from fastapi.responses import Response, StreamingResponse
+
+    from agl_trainer import cycle
+
+    async def drip():
+        yield b'{"data": ['
+        while True:
+            await asyncio.sleep(0.5)
+            yield b" "
+
+    web = FastAPI()
+    web.get("/deep/v1/models")(lambda: Response(b"[" * 20000 + b"]" * 20000, media_type="application/json"))
+    web.get("/drip/v1/models")(lambda: StreamingResponse(drip(), media_type="application/json"))
+    monkeypatch.setattr(cycle, "CHECK_TIMEOUT_S", 3.0)
+    with Served(web) as server:
+        for name, says in (("deep", "listed no model"), ("drip", "did not answer")):
+            (tmp_path / "eval.yaml").write_text(yaml.safe_dump({**cfg, "engine_url": f"{server.url}/{name}"}))
+            t0 = time.monotonic()
+            res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
+            assert res.exit_code == 1 and says in res.output and time.monotonic() - t0 < 30, (name, res.output)
 
 
 def test_a_reward_worker_ends_with_its_controller_killed_outright(tmp_path):
@@ -350,3 +375,111 @@ async def test_an_event_whose_body_arrives_after_its_rollout_ended_is_refused(st
     with pytest.raises(RecordRefused, match="stale_attempt"):
         await store.add_event("ev-retried", "0", "note", {}, max_events=EVENTS_PER_ATTEMPT_MAX)
     assert await store.add_event("ev-done", "0", "attempt_failed", {})
+
+
+def test_an_interrupted_pause_is_withdrawn_even_if_its_own_withdrawal_was_cut_short(redis_url, prefix, monkeypatch):
+    """(The tenth prober.) A second SIGTERM while ``asyncio.run`` cancelled its tasks cancelled ``pause_and_drain``'s
+    withdrawal: the pause stayed held for an hour while the CLI said "withdrawn". The CLI now ends the pause itself
+    (signals ignored meanwhile) and says "withdrawn" only once the pause is gone; a second SIGTERM is ignored."""
+    import signal
+    import threading
+    import time
+
+    import agl_common.control as control
+    from agl_common.schemas import ReplicaStatus
+    from agl_common.store import Store
+    from agl_trainer import cli
+    from typer.testing import CliRunner
+
+    async def with_store(fn):
+        store = Store(redis_url, prefix)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    async def cut_short(store, pause_id):  # what a second signal did to the withdrawal
+        return None
+
+    monkeypatch.setattr(control, "_withdraw", cut_short)
+    asyncio.run(with_store(lambda s: s.heartbeat(ReplicaStatus(replica_id="busy", in_flight=1))))
+
+    def interrupt_once_held():
+        deadline = time.monotonic() + 60
+        while not asyncio.run(with_store(lambda s: s.pauses())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_held, daemon=True).start()
+    res = CliRunner().invoke(cli.app, ["gateway", "pause", "--timeout", "60", "--redis", redis_url, "--prefix", prefix])
+    assert "withdrawn" in res.output and asyncio.run(with_store(lambda s: s.pauses())) == {}, res.output
+    assert res.exit_code == 130, res.output
+    # SIGTERM is Ctrl-C once; a second one is ignored while the first one's clean-up runs
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cli._terminate_once(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+async def test_a_models_list_nested_past_any_parser_is_no_model_for_the_gateway(store, redis_url, prefix, upstream):
+    """(The tenth prober.) One engine answering ``GET /v1/models`` with JSON nested 20000 deep made every call and
+    ``/v1/models`` a 500 (a ``RecursionError`` through the discovery), the other engine never tried. Such an answer
+    lists no model: that engine is skipped, as an engine listing none is."""
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+    from fakes import Served
+    from agl_gateway.app import create_app
+    from agl_gateway.settings import GatewaySettings
+    from test_gateway import MSG
+
+    deep = FastAPI()
+    deep.get("/v1/models")(lambda: Response(b"[" * 20000 + b"]" * 20000, media_type="application/json"))
+    await make_rollout(store)
+    with Served(deep) as bad:
+        settings = GatewaySettings(upstream=f"{bad.url},{upstream.url}", redis_url=redis_url, prefix=prefix,
+                                   heartbeat_s=0.2)  # no --model: the engines' own lists name it
+        with Served(create_app(settings)) as gw:
+            async with httpx.AsyncClient(timeout=60) as c:
+                models = await c.get(f"{gw.url}/v1/models")
+                call = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
+    assert models.status_code == 200 and "fake-model" in models.text, models.text[:300]
+    # (the call is pinned to one engine by its rollout id: 200 from the good one, 502 from the deep one, which
+    # serves no chat route; never the 500 of a discovery that raised)
+    assert call.status_code in (200, 502) and "RecursionError" not in call.text, call.text[:300]
+
+
+async def test_a_job_whose_owner_cannot_be_read_is_followed_as_this_attempts(store, monkeypatch):
+    """(The tenth prober.) After a 409, a read of the existing Job that the API server failed once (a 500) made a
+    legitimate attempt ``spawn_error`` ("held by an unknown Job") and its own running Job was deleted. A failed
+    read is tried again, and one that keeps failing leaves the Job followed as this attempt's."""
+    from agl_common.schemas import RolloutStatus
+    from fake_k8s import FakeK8s
+    from kubernetes.client.exceptions import ApiException
+    from test_controller_k8s import runner
+
+    with FakeK8s() as fake:
+        run = runner(store, fake, controller_id="k21b")
+        monkeypatch.setattr("agl_controller.k8s.asyncio.sleep", lambda s: asyncio.sleep(0))
+        real = run.batch.read_namespaced_job
+        for rid, failures in (("once", 1), ("always", 99)):
+            left = [failures]
+
+            def flaky(name, namespace, **kw):
+                if left[0] > 0:
+                    left[0] -= 1
+                    raise ApiException(status=500, reason="etcdserver: request timed out")
+                return real(name, namespace, **kw)
+
+            run.batch.read_namespaced_job = flaky
+            await store.create_rollout(Rollout(rollout_id=rid), enqueue=True)
+            own = run.renderer.render(Rollout(rollout_id=rid, status=RolloutStatus.running))
+            assert fake.create_job("default", own)[0] == 201  # this attempt's Job, created before a crash
+            assert await run.launch_some() == 1
+            got = await store.get_rollout(rid)
+            assert got.status == RolloutStatus.running, (rid, got)
+        await run.reconcile_jobs()
+        assert {"agl-once-0", "agl-always-0"} <= set(fake.job_names())

@@ -574,28 +574,25 @@ def check_served_name(name: str) -> str:
     return name
 
 
-def listed_models(raw: bytes | None, where: str) -> list[str]:
-    """The model ids an engine's ``GET /v1/models`` answer body ``raw`` lists (OpenAI's ``{"data": [{"id": ...}]}``),
-    first first. Raises ``ValueError`` naming ``where`` if ``raw`` is no such list (not JSON, an HTML page of a web
-    server at a mistyped port, no model) or an id can be no served name (:func:`check_served_name`)."""
-    import json
+def first_listed_model(raw: bytes | None, where: str) -> str:
+    """The first model id of an engine's ``GET /v1/models`` answer body ``raw`` (OpenAI's ``{"data": [{"id": ...}]}``):
+    the name a gateway routes to when no policy is set. Raises ``ValueError`` naming ``where`` if ``raw`` is no such
+    list (not JSON, too deeply nested, an HTML page of a web server at a mistyped port, no model) or its first id can
+    be no served name (:func:`check_served_name`); later entries are not read."""
+    import orjson
 
     try:
-        entries = json.loads(raw)["data"] if raw else None
-    except (ValueError, TypeError, KeyError):
-        entries = None
-    if not isinstance(entries, list) or not entries:
+        name = orjson.loads(raw)["data"][0]["id"] if raw else None  # (orjson: nesting past 1024 is an error)
+    except (orjson.JSONDecodeError, TypeError, KeyError, IndexError):
+        name = None
+    if name is None:
         raise ValueError(f"{where} listed no model (no OpenAI models list: is it an engine?)")
-    names = []
-    for entry in entries:
-        name = entry.get("id") if isinstance(entry, dict) else None
-        if not isinstance(name, str):
-            raise ValueError(f"{where} listed a model id that is not a string")
-        try:
-            names.append(check_served_name(name))
-        except ValueError:
-            raise ValueError(f"{where} listed the model id {name[:80]!r}, which is no served name") from None
-    return names
+    if not isinstance(name, str):
+        raise ValueError(f"{where} listed a model id that is not a string")
+    try:
+        return check_served_name(name)
+    except ValueError:
+        raise ValueError(f"{where} listed the model id {name[:80]!r}, which is no served name") from None
 
 
 class Policy(BaseModel):

@@ -513,11 +513,18 @@ class K8sRunner(Runner):
                 log.warning("cannot create Job for %s: %s %s", rollout_id, exc.status, exc.reason)
                 return await self.finish_attempt(rollout_id, rollout.attempt_id, "spawn_error", check_calls=False)
             # 409 AlreadyExists: this attempt's Job, created before a crash, or another's of the same name
-            owner = await self._job_owner(job.metadata.name)
+            try:
+                owner = await self._job_owner(job.metadata.name)
+            except Exception as exc:  # noqa: BLE001 - the API server failing the read: followed as ours (a Job
+                # of another rollout is then never seen as this one's: job_lost, after job_lost_after_s)
+                log.warning("Job %s exists; cannot read whose it is (%s): followed as rollout %s attempt %s's",
+                            job.metadata.name, exc, rollout_id, rollout.attempt_id)
+                owner = (rollout_id, rollout.attempt_id)
             if owner != (rollout_id, rollout.attempt_id):
-                log.warning("cannot create Job %s for rollout %s attempt %s: the name is held by %s",
-                            job.metadata.name, rollout_id, rollout.attempt_id,
-                            "an unknown Job" if owner is None else f"rollout {owner[0]!r} attempt {owner[1]}")
+                log.warning("cannot create Job %s for rollout %s attempt %s: %s", job.metadata.name, rollout_id,
+                            rollout.attempt_id, "it was deleted meanwhile" if owner is None else
+                            f"the name is held by rollout {owner[0]!r} attempt {owner[1]}" if owner[0] else
+                            "the name is held by a Job made for no rollout")
                 return await self.finish_attempt(rollout_id, rollout.attempt_id, "spawn_error", check_calls=False)
         except Exception as exc:  # API server unreachable
             log.warning("cannot create Job for %s: %s", rollout_id, exc)
@@ -525,18 +532,29 @@ class K8sRunner(Runner):
         log.info("rollout %s attempt %s: Job %s created", rollout_id, rollout.attempt_id, manifest["metadata"]["name"])
         return rollout
 
-    async def _job_owner(self, name: str) -> tuple[str, str] | None:
-        """The (rollout id, attempt id) Job ``name`` was made for (its annotation and label), ``None`` if it names
-        none or cannot be read (then it is no Job of ours to follow)."""
-        try:
-            existing = await asyncio.to_thread(self.batch.read_namespaced_job, name, self.namespace)
-        except Exception as exc:  # noqa: BLE001 - gone meanwhile (404), the API server: not ours to follow
-            log.warning("cannot read Job %s: %s", name, exc)
-            return None
+    async def _job_owner(self, name: str, tries: int = 3) -> tuple[str, str] | None:
+        """The (rollout id, attempt id) Job ``name`` was made for (its annotation and label; ``("", "")`` for a Job
+        made for none), ``None`` if there is no such Job (404). Raises the API server's error (or the client's) if
+        ``tries`` reads fail otherwise (a read is tried again after 0.5 s, then 1 s)."""
+        from kubernetes.client.exceptions import ApiException
+
+        for attempt in range(tries):
+            try:
+                existing = await asyncio.to_thread(self.batch.read_namespaced_job, name, self.namespace)
+                break
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                if attempt + 1 == tries:
+                    raise
+            except Exception:  # API server unreachable
+                if attempt + 1 == tries:
+                    raise
+            await asyncio.sleep(0.5 * (attempt + 1))
         meta = existing.metadata
         rid = (meta.annotations or {}).get(ROLLOUT_ANNOTATION)
         aid = (meta.labels or {}).get(ATTEMPT_LABEL)
-        return (rid, aid) if rid is not None and aid is not None else None
+        return (rid, aid) if rid is not None and aid is not None else ("", "")
 
     async def adopt_running(self, rollout: Rollout) -> None:
         """A dead controller's running rollout: keep the claim; :meth:`reconcile_jobs` follows its Job."""

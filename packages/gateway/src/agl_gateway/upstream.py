@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from agl_common.schemas import Policy, listed_models
+from agl_common.schemas import Policy, first_listed_model
 from agl_common.settings import redacted_url
 
 from .engines import NoEngine
@@ -148,7 +148,7 @@ async def served_model(st: GatewayState, url: str, timeout_s: float) -> str:
                            allow_redirects=False) as resp:
         raw = await read_bounded(resp, ANSWER_BYTES_MAX) if resp.status == 200 else None
     # (a name no policy can have, "", was: every call and /v1/models a 500, the discovery task dead)
-    return listed_models(raw, f"GET {redacted_url(url)}/models")[0]
+    return first_listed_model(raw, f"GET {redacted_url(url)}/models")
 
 
 async def current_policy(st: GatewayState) -> Policy:

@@ -680,11 +680,42 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
     except DrainTimeout as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: pause_and_drain withdrew the pause on its way out
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: withdrawn here, whatever pause_and_drain's own withdrawal did
+        # (a second signal while asyncio.run cancelled its tasks cancelled that one: the pause stayed held)
+        left = _withdraw_pause(redis, prefix, pause)
+        if left:
+            err.print(f"interrupted: pause {pause} may still be held ({left}); end it with: agl-trainer gateway "
+                      f"resume --pause {pause}", markup=False, highlight=False)
+            raise typer.Exit(1) from None
         err.print(f"interrupted: pause {pause} withdrawn", markup=False, highlight=False)
         raise typer.Exit(130) from None
     console.print(f"paused and drained: {len(replicas)} replica(s); pause {pause} "
                   f"(end it with: agl-trainer gateway resume --pause {pause})")
+
+
+def _withdraw_pause(redis: str | None, prefix: str | None, pause: str, timeout_s: float = 15.0) -> str | None:
+    """End pause ``pause`` (its own resume) and check it is no longer held, with Ctrl-C and SIGTERM ignored meanwhile
+    (a clean-up that a second signal cancels leaves a pause held for an hour). ``None`` once it is gone, else why
+    it may not be."""
+    from agl_common.control import resume
+    from agl_common.aio import within
+
+    async def main() -> str | None:
+        store = _store(redis, prefix)
+        try:
+            await resume(store, release=pause)
+            return "still listed" if pause in await store.pauses() else None
+        finally:
+            await store.close()
+
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return asyncio.run(within(main(), timeout_s))
+    except Exception as exc:  # noqa: BLE001 - Redis away, past the timeout: said, with the way to end it
+        return f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 @gateway_app.command("resume")
@@ -762,6 +793,13 @@ def gateway_status(redis: str = RedisOpt, prefix: str = PrefixOpt):
     console.print(table)
 
 
+def _terminate_once(signum, frame) -> None:
+    """SIGTERM as Ctrl-C, once: a second SIGTERM (a supervisor repeating itself) must not cut the first one's
+    clean-up short (it cancelled `gateway pause`'s withdrawal: the pause stayed held); SIGKILL still ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """The ``agl-trainer`` entry point. Not on a terminal (a pipe, a log), progress bars are switched off before
     anything imports tqdm (``TQDM_DISABLE`` is read at import): a bar rewritten in place prints as one huge line
@@ -782,7 +820,7 @@ def main() -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")
     # SIGTERM (`timeout`, systemd, a Job's end, a CI step limit) is Ctrl-C for every command: each command's own
     # clean-up runs (`gateway pause` killed mid-drain left its pause held for an hour, its id never printed)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate_once)
     from agl_common.store import redis_error_line
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 

@@ -9,13 +9,14 @@ gateway is resumed with that name and version, so every call from then on is ser
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
-from agl_common.schemas import listed_models
+from agl_common.schemas import first_listed_model
 from agl_common.settings import engine_base_urls, engine_headers, redacted_url
 from agl_common.store import Store
 
@@ -32,23 +33,45 @@ SWAP_ROUTES = {"merged": (("/collective_rpc", "/reset_prefix_cache"), "VLLM_SERV
                            "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")}
 
 
+#: Seconds one engine check may take in all (connect, headers and body), and the most body bytes it reads.
+CHECK_TIMEOUT_S = 30.0
+CHECK_BYTES_MAX = 4 << 20
+
+
+async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[int, bytes]:
+    """``GET {url}{route}``: its status and up to :data:`CHECK_BYTES_MAX` bytes of its body, within
+    :data:`CHECK_TIMEOUT_S` in all (httpx's timeout bounds each read: an engine that sent its body a byte at a time
+    held a check for ever). Raises :class:`EngineError` naming the engine (its URL without secrets)."""
+    where = f"engine {redacted_url(url)}"
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S), http.stream("GET", url + route) as resp:
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > CHECK_BYTES_MAX:
+                    raise EngineError(f"{where} answered GET {route} with more than {CHECK_BYTES_MAX} bytes")
+            return resp.status_code, bytes(body)
+    except TimeoutError:
+        raise EngineError(f"{where} did not answer GET {route} in {CHECK_TIMEOUT_S:g} s") from None
+    except httpx.HTTPError as exc:
+        raise EngineError(f"{where} cannot be reached: {type(exc).__name__}") from None
+
+
 async def check_reachable(engine_url: str) -> None:
     """Check, before a run or an evaluation starts on an engine it did not start, that every engine of
-    ``engine_url`` answers ``GET /v1/models`` with 200 and a models list (:func:`agl_common.schemas.listed_models`,
-    as the gateway reads it; with this process's ``AGL_UPSTREAM_KEY``, if any): an engine out of reach, or a web
-    server at a mistyped port, made every rollout fail and an evaluation report accuracy 0 with exit 0. Raises
-    :class:`EngineError` naming the engine (its URL without secrets) and what it answered."""
-    async with httpx.AsyncClient(timeout=30, headers=engine_headers()) as http:
+    ``engine_url`` answers ``GET /v1/models`` with 200 and a models list
+    (:func:`agl_common.schemas.first_listed_model`, as the gateway reads it; with this process's
+    ``AGL_UPSTREAM_KEY``, if any): an engine out of reach, or a web server at a mistyped port, made every rollout fail
+    and an evaluation report accuracy 0 with exit 0. Raises :class:`EngineError` naming the engine (its URL without
+    secrets) and what it answered."""
+    async with httpx.AsyncClient(timeout=CHECK_TIMEOUT_S, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
+            status, body = await _engine_get(http, url, "/v1/models")
+            if status != 200:
+                hint = " (the engine's key: AGL_UPSTREAM_KEY)" if status in (401, 403) else ""
+                raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {status}{hint}")
             try:
-                resp = await http.get(url + "/v1/models")
-            except httpx.HTTPError as exc:
-                raise EngineError(f"engine {redacted_url(url)} cannot be reached: {type(exc).__name__}") from None
-            if resp.status_code != 200:
-                hint = " (the engine's key: AGL_UPSTREAM_KEY)" if resp.status_code in (401, 403) else ""
-                raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {resp.status_code}{hint}")
-            try:
-                listed_models(resp.content, f"engine {redacted_url(url)} (GET /v1/models)")
+                first_listed_model(body, f"engine {redacted_url(url)} (GET /v1/models)")
             except ValueError as exc:
                 raise EngineError(str(exc)) from None
 
@@ -59,13 +82,10 @@ async def check_engine(engine_url: str, serving: str) -> None:
     after minutes of training. A ``GET`` answers 405 where the ``POST`` route exists and 404 where it does not.
     Raises :class:`EngineError` naming the missing route and what serves it, or an engine that cannot be reached."""
     routes, needs = SWAP_ROUTES[serving]
-    async with httpx.AsyncClient(timeout=30, headers=engine_headers()) as http:
+    async with httpx.AsyncClient(timeout=CHECK_TIMEOUT_S, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
             for route in routes:
-                try:
-                    status = (await http.get(url + route)).status_code
-                except httpx.HTTPError as exc:
-                    raise EngineError(f"engine {redacted_url(url)} cannot be reached: {type(exc).__name__}") from None
+                status, _ = await _engine_get(http, url, route)
                 if status == 404:
                     raise EngineError(f"engine {redacted_url(url)} has no {route}, which policy_serving: {serving} "
                                       f"needs to swap policies: start vLLM with {needs} (docs/deploy.md)")
