@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = Path(os.environ.get("AGL_CACHE_DIR", Path.home() / ".cache" / "agl"))
@@ -32,13 +34,14 @@ def gguf_path() -> Path:
     return path
 
 
-def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEFAULT_CACHE) -> Path:
+def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEFAULT_CACHE,
+                      announce: Callable[[str], Any] | None = None) -> Path:
     """The base model's directory: ``model_dir`` (``TrainConfig.base_model``) if given, else
     ``$AGL_BASE_MODEL_DIR`` if set (e.g. for ``scripts/gpu_smoke.py``), else the shipped SmolLM2-135M-Instruct
     as bf16 safetensors, converted on first use (~20 s).
 
     The converted directory is written atomically (to a temporary name, then renamed), so an interrupted
-    conversion never leaves a half model behind.
+    conversion never leaves a half model behind. ``announce(line)`` is called before a conversion (only then).
 
     Raises:
         FileNotFoundError: ``model_dir`` holds no ``config.json``; the GGUF package is missing.
@@ -52,6 +55,8 @@ def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEF
     target = Path(cache_dir) / "smollm2-135m-instruct"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
+    if announce is not None:
+        announce(f"converting the base model into {target} (first run only, ~20 s)...")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

