@@ -135,6 +135,8 @@ def test_a_gateway_pause_stopped_by_sigterm_withdraws_its_pause(redis_url, prefi
     (pause,) = held
     assert (proc.returncode, left) == (130, {}), (proc.returncode, left, errs)
     assert "Traceback" not in errs and f"pausing: pause {pause}" in errs and "withdrawn" in errs, errs
+    # (the eleventh prober) stderr that is no terminal keeps each line whole, as stdout does
+    assert f"pausing: pause {pause}, waiting up to 60 s for the drain\n" in errs, errs
 
 
 def test_redis_urls_the_store_cannot_use_are_refused_and_a_non_cluster_is_one_line():
@@ -150,10 +152,14 @@ def test_redis_urls_the_store_cannot_use_are_refused_and_a_non_cluster_is_one_li
     for url in ("redis://127.0.0.1:6379/0?decode_responses=true", "redis://h/0?decode_responses",
                 "rediss://h/0?encoding=latin1", "redis://h/0?legacy_responses=false",
                 "redis+cluster://h:7000?decode_responses=1", "redis+cluster://h:7000?socket_timeout=1",
-                "redis+cluster://h:7000?retries=x", "redis+cluster://h:7000?retries=1&retries=2"):
+                "redis+cluster://h:7000?retries=x", "redis+cluster://h:7000?retries=1&retries=2",
+                # (the eleventh prober) names redis-py hands the connection as strings: tracebacks at first use
+                "redis://h/0?credential_provider=x", "redis://h/0?retry=3", "redis://h/0?event_dispatcher=x",
+                "redis://h/0?redis_connect_func=x", "redis://h/0?maint_notifications_config=x"):
         with pytest.raises(ValueError, match="bad Redis URL"):
             check_redis_url(url)
-    for url in ("redis://h/0?protocol=2", "redis://h/0?socket_timeout=3", "redis+cluster://h:7000?retries=5"):
+    for url in ("redis://h/0?protocol=2", "redis://h/0?socket_timeout=3", "redis+cluster://h:7000?retries=5",
+                "rediss://h/0?ssl_cert_reqs=none&client_name=agl"):
         assert check_redis_url(url) == url
     plain_as_cluster = "redis+cluster://127.0.0.1:6379"  # the tests' own Redis, which is no cluster node
     for argv, rc in ((["agl_trainer", "rollouts", "list"], 1), (["agl_trainer", "gateway", "status"], 1),
@@ -258,13 +264,22 @@ def test_an_evaluation_on_an_engine_out_of_reach_stops_at_start(tmp_path, redis_
     web = FastAPI()
     web.get("/deep/v1/models")(lambda: Response(b"[" * 20000 + b"]" * 20000, media_type="application/json"))
     web.get("/drip/v1/models")(lambda: StreamingResponse(drip(), media_type="application/json"))
+    import gzip
+
+    bomb = gzip.compress(gzip.compress(b" " * (64 << 20)))  # (the eleventh prober) ~100 bytes sent, 64 MiB decoded
+    web.get("/bomb/v1/models")(lambda: Response(bomb, media_type="application/json",
+                                                headers={"Content-Encoding": "gzip, gzip"}))
     monkeypatch.setattr(cycle, "CHECK_TIMEOUT_S", 3.0)
     with Served(web) as server:
-        for name, says in (("deep", "listed no model"), ("drip", "did not answer")):
+        for name, says in (("deep", "listed no model"), ("drip", "did not answer"), ("bomb", "listed no model")):
             (tmp_path / "eval.yaml").write_text(yaml.safe_dump({**cfg, "engine_url": f"{server.url}/{name}"}))
             t0 = time.monotonic()
             res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
             assert res.exit_code == 1 and says in res.output and time.monotonic() - t0 < 30, (name, res.output)
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump({**cfg, "engine_url": "http://\u2603:1"}))  # no IDNA host
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "eval.yaml"), "--json"])
+    assert res.exit_code == 1 and "cannot be reached" in res.output and res.exception.__class__ is SystemExit, \
+        (res.output, res.exception)
 
 
 def test_a_reward_worker_ends_with_its_controller_killed_outright(tmp_path):
@@ -483,3 +498,21 @@ async def test_a_job_whose_owner_cannot_be_read_is_followed_as_this_attempts(sto
             assert got.status == RolloutStatus.running, (rid, got)
         await run.reconcile_jobs()
         assert {"agl-once-0", "agl-always-0"} <= set(fake.job_names())
+
+
+def test_a_reward_worker_reaped_already_has_no_process_group_to_kill():
+    """(The eleventh prober.) ``_Worker.kill`` sent SIGKILL to the process group named by the worker's pid after the
+    worker had been reaped (``Process.start`` reaps finished children; a preload harness start is one): the pid was
+    free, and a harness run leading a group of that id was killed (recorded ``oom_killed``). The group is signalled
+    only while the worker is unreaped (alive, or a zombie not yet waited for)."""
+    import subprocess
+    import time
+
+    from agl_controller.reward import _unreaped
+
+    proc = subprocess.Popen(["sleep", "0.2"])
+    assert _unreaped(proc.pid)
+    time.sleep(0.6)
+    assert _unreaped(proc.pid)  # a zombie: its pid is still ours
+    proc.wait()
+    assert not _unreaped(proc.pid)

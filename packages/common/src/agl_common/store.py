@@ -115,6 +115,15 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 #: Options of a Redis URL that change the shape or type of replies (redis-py passes them to every connection):
 #: refused by :func:`connect`, the Store reads bytes in RESP2 shapes.
 REPLY_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors", "legacy_responses"})
+#: The ``?options`` a single-Redis URL may carry: redis-py's own URL options (``URL_QUERY_ARGUMENT_PARSERS``, less
+#: :data:`REPLY_OPTIONS`) and the connection's plain-text settings. redis-py passes any other name to the connection
+#: as a string (``?credential_provider=x``, ``?retry=3``: tracebacks at the first command): refused by name.
+URL_OPTIONS = frozenset({
+    "db", "socket_timeout", "socket_connect_timeout", "socket_read_size", "socket_keepalive", "retry_on_timeout",
+    "max_connections", "health_check_interval", "timeout", "protocol", "client_name", "username", "password",
+    "ssl_check_hostname", "ssl_include_verify_flags", "ssl_exclude_verify_flags", "ssl_min_version", "ssl_cert_reqs",
+    "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_ciphers",
+    "lib_name", "lib_version"})
 
 #: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
 #: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
@@ -402,6 +411,10 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     if changes_replies:  # the Store reads bytes in redis-py's RESP2 shapes; decoded replies broke every command
         raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{', ?'.join(changes_replies)} changes what Redis "
                          "replies look like; AGL sets that itself")
+    unknown = sorted(set(query) - URL_OPTIONS - REPLY_OPTIONS) if parts.scheme not in CLUSTER_SCHEMES else []
+    if unknown:
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{', ?'.join(unknown)} is no option AGL takes (it "
+                         f"takes ?{', ?'.join(sorted(URL_OPTIONS))})")
     if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
         # (redis-py reads a path it cannot parse, ``/abc`` or ``/1/x``, as database 0 without a word)
         raise ValueError(f"bad Redis URL {redacted_url(url)}: the path must be a database number, got "

@@ -131,6 +131,16 @@ def _in_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return future
 
 
+def _unreaped(pid: int) -> bool:
+    """Whether ``pid`` is still this process's child, alive or a zombie not yet waited for (``waitid`` with
+    ``WNOWAIT`` reaps nothing): its pid, and so its process group's id, can then name no other process."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
 _live: weakref.WeakSet = weakref.WeakSet()  # every worker started in this process, for the exit below
 
 
@@ -176,8 +186,9 @@ class _Worker:
         """Kill the worker and every process of its group (what its function started and did not end; one that
         left the group with ``setsid`` of its own is the function's own choice)."""
         _live.discard(self)
-        with contextlib.suppress(Exception):  # the group's id is the worker's pid: reserved while the worker (a
-            os.killpg(self.proc.pid, signal.SIGKILL)  # zombie until joined) or any member of its group exists
+        if _unreaped(self.proc.pid):  # the group's id is the worker's pid, reserved while the worker is unreaped
+            with contextlib.suppress(Exception):  # (once reaped, the pid may lead another process group: a harness
+                os.killpg(self.proc.pid, signal.SIGKILL)  # run's; its group, if the worker died first, is left)
         with contextlib.suppress(Exception):
             self.proc.kill()
         with contextlib.suppress(Exception):

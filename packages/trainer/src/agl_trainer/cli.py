@@ -38,7 +38,7 @@ def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
     return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
 # Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns; a line stays one line (soft wrap), however long.
 console = Console() if sys.stdout.isatty() else Console(width=250, soft_wrap=True)
-err = Console(stderr=True)
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=250, soft_wrap=True)
 
 
 def _checked_id(value: str | None, what: str) -> str | None:
