@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import orjson
 import pytest
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus
 from test_gateway import make_rollout, upstream  # noqa: F401 (fixture)
+
+
+async def _with_store(redis_url: str, prefix: str, fn):
+    """``await fn(store)`` on a Store of its own (for tests that drive a CLI from a synchronous test)."""
+    from agl_common.store import Store
+
+    store = Store(redis_url, prefix)
+    try:
+        return await fn(store)
+    finally:
+        await store.close()
 
 
 
@@ -105,14 +117,8 @@ def test_a_gateway_pause_stopped_by_sigterm_withdraws_its_pause(redis_url, prefi
     import time
 
     from agl_common.schemas import ReplicaStatus
-    from agl_common.store import Store
 
-    async def with_store(fn):
-        store = Store(redis_url, prefix)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
+    with_store = functools.partial(_with_store, redis_url, prefix)
 
     # a replica with a call in flight that never drains
     asyncio.run(with_store(lambda s: s.heartbeat(ReplicaStatus(replica_id="busy", in_flight=1))))
@@ -402,16 +408,10 @@ def test_an_interrupted_pause_is_withdrawn_even_if_its_own_withdrawal_was_cut_sh
 
     import agl_common.control as control
     from agl_common.schemas import ReplicaStatus
-    from agl_common.store import Store
     from agl_trainer import cli
     from typer.testing import CliRunner
 
-    async def with_store(fn):
-        store = Store(redis_url, prefix)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
+    with_store = functools.partial(_with_store, redis_url, prefix)
 
     async def cut_short(store, pause_id):  # what a second signal did to the withdrawal
         return None
