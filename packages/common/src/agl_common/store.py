@@ -125,12 +125,6 @@ URL_OPTIONS = frozenset({
     "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_ciphers",
     "lib_name", "lib_version"})
 
-#: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
-#: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
-#: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
-#: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
-#: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
-
 
 def _lua_open_attempt(rollout: str, attempt: str) -> str:
     """Lua that returns -1 (no such rollout), -2 (another attempt runs) or -3 (it finished) unless the rollout JSON
@@ -156,10 +150,6 @@ redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
 return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
 """
 
-#: KEYS: seq, calls, tokens, the rollout (one slot); ARGV: record JSON, write token, attempt id, most calls and
-#: most record bytes an attempt may hold. The rollout is read in the same step as the write: a call held by a
-#: pause, or in flight, while its rollout finished or its attempt was retried is refused here, whatever the
-#: gateway checked when the call came in. Negative returns: see :data:`RECORD_REFUSED`.
 #: A heartbeat of the replica owning ``KEYS[1]`` (``ARGV[1]``: its token): renew its ownership, write its status
 #: (``KEYS[2]``) and its registry entry (``KEYS[3]``); 0 and nothing written if another process owns the id.
 _OWNED_HEARTBEAT = """
@@ -209,6 +199,15 @@ if held and string.sub(held, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ' ' then 
 return 1
 """
 
+#: KEYS: seq counter, calls stream, write tokens (one slot: ``{rid}``); ARGV: the record JSON with
+#: ``"seq":-1`` (its third field, before any agent-controlled text, so the first match is always the record's
+#: own), and the write's token. A token seen before returns its ``seq`` without a second record: a client
+#: that retries after a lost reply (redis-py retries on connection errors, e.g. during a failover) records
+#: once. The token is then written again (same value), so a ``WAIT`` after the retry covers the record.
+#: KEYS[4]: the rollout; ARGV[3..5]: attempt id, most calls and most record bytes an attempt may hold. The rollout
+#: is read in the same step as the write (:func:`_lua_open_attempt`): a call held by a pause, or in flight, while its
+#: rollout finished or its attempt was retried is refused here, whatever the gateway checked when the call came in.
+#: Negative returns: see :data:`RECORD_REFUSED`.
 _RECORD_CALL = """
 local done = redis.call('HGET', KEYS[3], ARGV[2])
 if done then

@@ -72,6 +72,7 @@ def _one_line(exc: BaseException) -> str:
 def _serve(conn, spec: str, parent: int) -> None:
     """A worker's main: load ``spec``, say so, then answer ``(input, output)`` requests with ``(True, reward)``
     or ``(False, message)`` until the controller (pid ``parent``) closes the pipe or dies."""
+    from agl_common.lifetime import die_with_parent
     from agl_common.proc_secrets import hide_from_proc
     from agl_common.schemas import check_reward
 
@@ -83,11 +84,7 @@ def _serve(conn, spec: str, parent: int) -> None:
     # with the worker (_Worker.kill), not left running as the controller's user after a timeout. Out of the
     # controller's group, a killpg of the controller (Services' SIGKILL) no longer reaches the worker: it asks Linux
     # for SIGKILL when the controller dies instead (its function's own processes live on only then)
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the controller died before that took effect
-        os._exit(0)
+    die_with_parent(signal.SIGKILL, parent)
     try:
         fn = load_reward_fn(spec)
     except ValueError as exc:

@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 import redis
+from agl_common.lifetime import die_with_parent
 from agl_common.settings import redacted_url
 from agl_common.store import StoreRefused
 
@@ -67,11 +68,8 @@ def free_port(plus: int = 0) -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    """In the child, before exec: SIGTERM when the parent dies (:func:`agl_common.lifetime.die_with_parent`)."""
+    die_with_parent(signal.SIGTERM)
 
 
 def redis_answers(url: str) -> bool:
