@@ -120,7 +120,7 @@ def heldout_problems():
 @pytest.mark.timeout(300)
 def test_eval_command_runs_the_harness(tmp_path, redis_url, prefix):
     (tmp_path / "tasks.py").write_text(TASKS)
-    with Served(fake_upstream()) as engine:
+    with Served(fake_upstream(model="smollm2")) as engine:  # (the config's model_name: the engine must serve it)
         cfg = {"command": f"python {ROOT / 'tests' / 'harnesses' / 'eval_agent.py'}",
                "task_file": str(tmp_path / "tasks.py"), "eval_size": 10, "engine_url": engine.url,
                "redis_url": redis_url, "prefix": prefix, "out_dir": str(tmp_path / "runs"), "concurrency": 6,

@@ -254,7 +254,8 @@ def test_train_against_an_engine_without_swap_routes_is_one_line(upstream, redis
     import yaml
 
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"engine_url": upstream.url.removesuffix("/v1"), "redis_url": redis_url,
+    config.write_text(yaml.safe_dump({"engine_url": upstream.url.removesuffix("/v1"), "model_name": "fake-model",
+                                      "redis_url": redis_url,
                                       "prefix": prefix, "out_dir": str(tmp_path / "runs"), "eval_size": 0}))
     out = subprocess.run([sys.executable, "-m", "agl_trainer", "train", str(config)], capture_output=True, text=True,
                          timeout=300)

@@ -574,17 +574,42 @@ def check_served_name(name: str) -> str:
     return name
 
 
-def first_listed_model(raw: bytes | None, where: str) -> str:
-    """The first model id of an engine's ``GET /v1/models`` answer body ``raw`` (OpenAI's ``{"data": [{"id": ...}]}``):
-    the name a gateway routes to when no policy is set. Raises ``ValueError`` naming ``where`` if ``raw`` is no such
-    list (not JSON, too deeply nested, an HTML page of a web server at a mistyped port, no model) or its first id can
-    be no served name (:func:`check_served_name`); later entries are not read."""
+def listed_models(raw: bytes | None, where: str) -> list:
+    """The entries of an engine's ``GET /v1/models`` answer body ``raw`` (OpenAI's ``{"data": [{"id": ...}]}``), as
+    parsed (entries are not checked). Raises ``ValueError`` naming ``where`` if ``raw`` is no such list (not JSON, too
+    deeply nested, an HTML page of a web server at a mistyped port, no model). The one parser of a models list: the
+    gateway's discovery (:func:`first_listed_model`) and the trainer's engine check read it alike."""
     import orjson
 
     try:
-        name = orjson.loads(raw)["data"][0]["id"] if raw else None  # (orjson: nesting past 1024 is an error)
+        data = orjson.loads(raw)["data"] if raw else None  # (orjson: nesting past 1024 is an error)
     except (orjson.JSONDecodeError, TypeError, KeyError, IndexError):
-        name = None
+        data = None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{where} listed no model (no OpenAI models list: is it an engine?)")
+    return data
+
+
+def served_names(raw: bytes | None, where: str) -> list[str]:
+    """Every model id of an engine's ``GET /v1/models`` answer that can be a served name (:func:`check_served_name`),
+    in the engine's order: its base model's names and the adapters it has loaded. ``ValueError`` as
+    :func:`listed_models`."""
+    names = []
+    for entry in listed_models(raw, where):
+        name = entry.get("id") if isinstance(entry, dict) else None
+        try:
+            names.append(check_served_name(name)) if isinstance(name, str) else None
+        except ValueError:
+            pass
+    return names
+
+
+def first_listed_model(raw: bytes | None, where: str) -> str:
+    """The first model id of an engine's ``GET /v1/models`` answer body ``raw`` (:func:`listed_models`): the name a
+    gateway routes to when no policy is set. Raises ``ValueError`` naming ``where`` if ``raw`` is no models list or
+    its first id can be no served name (:func:`check_served_name`); later entries are not read."""
+    first = listed_models(raw, where)[0]
+    name = first.get("id") if isinstance(first, dict) else None
     if name is None:
         raise ValueError(f"{where} listed no model (no OpenAI models list: is it an engine?)")
     if not isinstance(name, str):

@@ -158,10 +158,27 @@ def engine_base_urls(value: str) -> list[str]:
 ENGINE_KEY_ENV = "AGL_UPSTREAM_KEY"
 
 
+def check_engine_key(key: str) -> str:
+    """``key`` if it can be the engine's API key: 16 characters or more, letters, digits and ``._~+/=-`` (characters
+    an HTTP header carries and no JSON or Python quoting escapes: the gateway masks it, and any prefix of 16
+    characters or more, in what it answers and records), with a letter other than e/E or one of ``_~/=`` among its
+    first 16 (never part of a JSON number: a masked number would break an answer). Else ``ValueError`` (the key
+    itself is not shown). The one rule for the gateway's ``upstream_key`` and the trainer's own engine requests."""
+    if len(key) < 16 or not re.fullmatch(r"[A-Za-z0-9._~+/=-]+", key):
+        raise ValueError(f"{ENGINE_KEY_ENV} (the engine's key, {len(key)} characters): 16 characters or more, letters, "
+                         "digits and ._~+/=- only (no spaces, newlines or other characters)")
+    if not set(key[:16]) - set("0123456789.+-eE"):
+        raise ValueError(f"{ENGINE_KEY_ENV}: its first 16 characters must hold a letter other than e/E, or one of "
+                         "_~/= (digits alone would mask numbers in the answers)")
+    return key
+
+
 def engine_headers() -> dict[str, str]:
-    """``{"Authorization": "Bearer <key>"}`` when :data:`ENGINE_KEY_ENV` is set and not empty, else ``{}``."""
+    """``{"Authorization": "Bearer <key>"}`` when :data:`ENGINE_KEY_ENV` is set and not empty, else ``{}``. Raises
+    ``ValueError`` for a key :func:`check_engine_key` refuses (a trailing space or a newline was sent as is, and read
+    as an engine that "cannot be reached")."""
     key = os.environ.get(ENGINE_KEY_ENV)
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return {"Authorization": f"Bearer {check_engine_key(key)}"} if key else {}
 
 
 def check_gateway_url(url: str, what: str = "gateway URL") -> str:

@@ -49,6 +49,7 @@ A store object is passed to whoever needs it; nothing is kept in module-level st
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 import uuid
@@ -124,6 +125,10 @@ URL_OPTIONS = frozenset({
     "ssl_check_hostname", "ssl_include_verify_flags", "ssl_exclude_verify_flags", "ssl_min_version", "ssl_cert_reqs",
     "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_ciphers",
     "lib_name", "lib_version"})
+#: The numeric :data:`URL_OPTIONS` and the values each takes (checked before redis-py reads them: it took ``inf``,
+#: ``nan`` and ``0`` as given).
+URL_NUMBERS = {"socket_timeout": "above 0", "socket_connect_timeout": "above 0", "timeout": "above 0",
+               "max_connections": "above 0", "socket_read_size": "above 0", "health_check_interval": "of 0 or more"}
 
 
 def _lua_open_attempt(rollout: str, attempt: str) -> str:
@@ -421,14 +426,24 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     if parts.scheme not in CLUSTER_SCHEMES:
         # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
         # instead of failing at once (redis-py's default pool turned load into "Too many connections").
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
-            health_check_interval=10)
-        try:  # an unknown query option (``?x=1``) or a database out of range fails here, not at the first command
+        for name in sorted(set(URL_NUMBERS) & set(query)):  # (``inf`` turned a timeout off, ``0`` read nothing for ever)
+            low = URL_NUMBERS[name]
+            for value in query[name]:
+                try:
+                    number = float(value)
+                except ValueError:
+                    continue  # (redis-py names it below)
+                if not (math.isfinite(number) and (number > 0 if low == "above 0" else number >= 0)):
+                    raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{name} takes a finite number {low}, got "
+                                     f"{value[:40]!r}")
+        try:  # an unknown option value (``?ssl_cert_reqs=x``) or a database out of range fails here, not later
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,
+                health_check_interval=10)
             pool.connection_class(**pool.connection_kwargs)
             if not 0 <= int(pool.connection_kwargs.get("db", 0)) < 2**31:
                 raise ValueError("database number out of range")
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RedisError) as exc:  # (redis-py's TLS options raise a bare RedisError)
             raise ValueError(f"bad Redis URL {redacted_url(url)}: {exc}") from None
         pool.connection_class = type(pool.connection_class.__name__, (_CheckedSetup, pool.connection_class), {})
         return aioredis.Redis.from_pool(pool)

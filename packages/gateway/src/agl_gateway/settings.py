@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from agl_common.settings import CommonSettings, check_bind_host, engine_base_urls
+from agl_common.settings import CommonSettings, check_bind_host, check_engine_key, engine_base_urls
 from agl_common.store import CALLS_PER_ATTEMPT_MAX, RECORD_BYTES_PER_ATTEMPT_MAX
 from pydantic import Field, field_validator, model_validator
 
@@ -32,12 +32,12 @@ class GatewaySettings(CommonSettings):
     max_record_bytes_per_attempt: int = Field(default=RECORD_BYTES_PER_ATTEMPT_MAX, ge=1, description=(
         "bytes the call records of one attempt may hold in Redis; beyond: 403 too_many_bytes (a harness "
         "holding a scoped key cannot fill Redis)"))
-    upstream_key: str | None = Field(default=None, min_length=16, pattern=r"^[A-Za-z0-9._~+/=-]+$", description=(
+    upstream_key: str | None = Field(default=None, description=(
         "the engine's API key, sent as `Authorization: Bearer` on every engine request (environment only: a "
         "command line is public); 16 characters or more, letters, digits and `._~+/=-` (characters no JSON or "
         "Python quoting escapes: the gateway masks it, and any prefix of 16 characters or more, in what it answers "
         "and records), with a letter other than e/E or one of `_~/=` among its first 16 (never part of a JSON "
-        "number)"))
+        "number): agl_common.settings.check_engine_key"))
     upstream_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description=(
         "seconds one engine call may take (0, negative or NaN would mean none: a hung engine held its calls, "
         "and every drain, for ever)"))
@@ -82,12 +82,7 @@ class GatewaySettings(CommonSettings):
     @field_validator("upstream_key")
     @classmethod
     def _maskable_key(cls, v: str | None) -> str | None:
-        """The key's first 16 characters (what the gateway masks as a prefix, agl_gateway.upstream.mask_key) must not
-        all be characters of a JSON number: a masked number (token ids, counts) would break an answer or a record."""
-        if v is not None and not set(v[:16]) - set("0123456789.+-eE"):
-            raise ValueError("upstream_key: its first 16 characters must hold a letter other than e/E, or one of _~/= "
-                             "(digits alone would mask numbers in the answers)")
-        return v
+        return v if v is None else check_engine_key(v)
 
     @model_validator(mode="after")
     def _one_way_to_authenticate(self) -> "GatewaySettings":

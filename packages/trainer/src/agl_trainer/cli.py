@@ -11,9 +11,10 @@ from pathlib import Path
 
 import typer
 from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, allowed_hosts, check_bind_host, redacted_url
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from .report import output_console
 
 app = typer.Typer(add_completion=False, help="AGL trainer: harnessed agentic RL.")
 rollouts_app = typer.Typer(add_completion=False, help="Create and read rollouts and their recorded calls.")
@@ -36,9 +37,8 @@ def printable(text: str) -> str:
 
 def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
     return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
-# Not a terminal (a pipe, a log): don't wrap or cut ids at 80 columns; a line stays one line (soft wrap), however long.
-console = Console() if sys.stdout.isatty() else Console(width=250, soft_wrap=True)
-err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=250, soft_wrap=True)
+console = output_console()  # (no markup: what it prints is data)
+err = output_console(stderr=True, markup=True)  # (markup for the red; every interpolated text escaped)
 
 
 def _checked_id(value: str | None, what: str) -> str | None:
@@ -327,7 +327,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     _check_prefix(cfg)
     _sigterm_as_interrupt()
     try:
-        res = run_eval(cfg, pol, n, err if as_json else console)
+        res = run_eval(cfg, pol, n, output_console(stderr=True) if as_json else console)
     except KeyboardInterrupt:
         err.print("interrupted: every service this evaluation started has been stopped")
         raise typer.Exit(130) from None
@@ -469,7 +469,7 @@ def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest th
     for col in ("rollout", "attempt", "status", "reward", "failure", "group"):
         table.add_column(col)
     for r in items:
-        table.add_row(*(escape(printable(x)) for x in (r.rollout_id, r.attempt_id, r.status.value,
+        table.add_row(*(printable(x) for x in (r.rollout_id, r.attempt_id, r.status.value,
                                                         "-" if r.reward is None else f"{r.reward:g}",
                                                         r.failure or "", r.group_id or "")))
     console.print(table)
@@ -536,26 +536,26 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
         k = trace.row_of_call.get((c.attempt_id, c.seq))
         into = f" → row {k}" if k is not None else (" (not trained: an earlier attempt)" if c.attempt_id !=
                                                       rollout.attempt_id else " (not trained: unusable)")
-        console.print(escape(printable(
+        console.print(printable(
             f"call {c.attempt_id}/{c.seq} {c.route} {c.status} prompt={len(c.prompt_token_ids)} "
             f"response={len(c.response_token_ids)} tokens, v{c.model_version}"
-            + (f" role {c.role} ({c.model})" if c.role else "") + f", {c.latency_ms:.0f} ms{into}")))
+            + (f" role {c.role} ({c.model})" if c.role else "") + f", {c.latency_ms:.0f} ms{into}"))
     for r in rows:
         b = r["merge_break"]
         why = (f"merge break before it: {b['class']} at token {b['position']} (call {b['seq']}'s prompt of "
                f"{b['prompt_tokens']} tokens does not extend row {r['row'] - 1}'s {b['row_tokens']})" if b
                else "first call" if r["row"] == 0 else "new row")
-        console.print(escape(f"row {r['row']}" + (f" ({r['role']})" if r["role"] else "") +
-                             f": calls {', '.join(map(str, r['seqs']))} ({r['calls']} merged), prompt "
-                             f"{r['prompt_tokens']} tokens, response {r['response_tokens']} ({r['sampled_tokens']} "
-                             f"sampled); {why}"))
+        console.print(f"row {r['row']}" + (f" ({r['role']})" if r["role"] else "") +
+                      f": calls {', '.join(map(str, r['seqs']))} ({r['calls']} merged), prompt "
+                      f"{r['prompt_tokens']} tokens, response {r['response_tokens']} ({r['sampled_tokens']} "
+                      f"sampled); {why}")
     if not rows:
         console.print("no training row: no usable call in the current attempt")
     shown = event_lines(events)
     tail = f", the last {len(shown)}:" if len(shown) < n_events else ":" if n_events else ""
     console.print(f"{n_events} event(s) posted by the harness and the controller{tail}")
     for e in shown:
-        console.print(escape(printable(f"event {e['attempt']} {e['time']} {e['type']} {e['data']}")))
+        console.print(printable(f"event {e['attempt']} {e['time']} {e['type']} {e['data']}"))
 
 
 @rollouts_app.command("export")
@@ -780,7 +780,7 @@ def gateway_status(redis: str = RedisOpt, prefix: str = PrefixOpt):
             await store.close()
 
     replicas, policy = asyncio.run(main())
-    shown = lambda x: escape(printable(str(x)))  # noqa: E731 - names come from engines and operators
+    shown = lambda x: printable(str(x))  # noqa: E731 - names come from engines and operators
     console.print(f"policy: {shown(policy.model) if policy else '-'} (v{policy.version if policy else 0})"
                   + ("; roles: " + ", ".join(f"{shown(r)} → {shown(m)}" for r, m in policy.roles.items())
                      if policy and policy.roles else ""))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
-from agl_common.schemas import first_listed_model
+from agl_common.schemas import served_names
 from agl_common.settings import engine_base_urls, engine_headers, redacted_url
 from agl_common.store import Store
 
@@ -60,23 +60,33 @@ async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[in
         raise EngineError(f"{where} cannot be reached: {type(exc).__name__}") from None
 
 
-async def check_reachable(engine_url: str) -> None:
+async def check_reachable(engine_url: str, model: str) -> None:
     """Check, before a run or an evaluation starts on an engine it did not start, that every engine of
-    ``engine_url`` answers ``GET /v1/models`` with 200 and a models list
-    (:func:`agl_common.schemas.first_listed_model`, as the gateway reads it; with this process's
-    ``AGL_UPSTREAM_KEY``, if any): an engine out of reach, or a web server at a mistyped port, made every rollout fail
-    and an evaluation report accuracy 0 with exit 0. Raises :class:`EngineError` naming the engine (its URL without
-    secrets) and what it answered."""
-    async with httpx.AsyncClient(timeout=CHECK_TIMEOUT_S, headers=engine_headers()) as http:
+    ``engine_url`` answers ``GET /v1/models`` with 200 and a models list that names ``model`` (the served name the
+    run's calls go to: ``model_name``; :func:`agl_common.schemas.served_names`, the parser the gateway reads it with;
+    with this process's ``AGL_UPSTREAM_KEY``, if any): an engine out of reach, a web server at a mistyped port, or an
+    engine serving another model made every rollout fail and an evaluation report accuracy 0 with exit 0. Raises
+    :class:`EngineError` naming the engine (its URL without secrets) and what it answered, or a malformed
+    ``AGL_UPSTREAM_KEY`` (:func:`agl_common.settings.check_engine_key`)."""
+    try:
+        headers = engine_headers()
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    async with httpx.AsyncClient(timeout=CHECK_TIMEOUT_S, headers=headers) as http:
         for url in engine_urls(engine_url):
             status, body = await _engine_get(http, url, "/v1/models")
             if status != 200:
                 hint = " (the engine's key: AGL_UPSTREAM_KEY)" if status in (401, 403) else ""
                 raise EngineError(f"engine {redacted_url(url)} answered GET /v1/models with {status}{hint}")
             try:
-                first_listed_model(body, f"engine {redacted_url(url)} (GET /v1/models)")
+                names = served_names(body, f"engine {redacted_url(url)} (GET /v1/models)")
             except ValueError as exc:
                 raise EngineError(str(exc)) from None
+            if model not in names:
+                listed = ", ".join(repr(n[:80]) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+                raise EngineError(f"engine {redacted_url(url)} does not serve {model!r} (it lists "
+                                  f"{listed or 'no usable name'}): set model_name to the name the engine serves its "
+                                  "base model as")
 
 
 async def check_engine(engine_url: str, serving: str) -> None:

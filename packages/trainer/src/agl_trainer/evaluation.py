@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import TrainConfig
+from .report import output_console
 
 
 class PolicyNotFound(ValueError):
@@ -221,7 +222,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
 
     if n < 1:
         raise ValueError(f"--n must be at least 1, got {n}")
-    console = console or Console()
+    console = console or output_console()
     heldout = load_tasks(cfg.task_file, cfg.heldout_fn)[: cfg.eval_size]
     if not heldout:
         raise ValueError(f"no held-out inputs: {cfg.task_file}:{cfg.heldout_fn} with eval_size {cfg.eval_size}")

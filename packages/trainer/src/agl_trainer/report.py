@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from .algorithm.stepstats import TIME_KEYS
+
+
+def output_console(stderr: bool = False, markup: bool = False) -> Console:
+    """The console a command prints on (stdout, or stderr if ``stderr``). Rich markup is off unless ``markup``: the
+    lines hold user text (paths, prefixes, ids, names) that Rich read as markup — an ``out_dir`` holding ``[/]`` was
+    a ``MarkupError`` traceback after a whole evaluation. A console with markup escapes what it interpolates
+    (:func:`rich.markup.escape`). Not a terminal (a pipe, a log): no wrapping or cutting at 80 columns; a line
+    stays one line (soft wrap), however long."""
+    tty = (sys.stderr if stderr else sys.stdout).isatty()
+    return Console(stderr=stderr, markup=markup, **({} if tty else {"width": 250, "soft_wrap": True}))
+
 
 #: (metrics key, column title, format) of the step table
 COLUMNS = [("step", "step", "{}"), ("reward_mean", "reward", "{:.2f}"), ("group_signal_frac", "signal", "{:.0%}"),

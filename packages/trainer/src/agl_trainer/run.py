@@ -16,11 +16,11 @@ from pathlib import Path
 
 from agl_common.settings import redacted_url, redacted_urls
 from rich.console import Console
-from rich.markup import escape
 
 from .config import TrainConfig
 from .checkpoint import NotResumable, logged_metrics, resume_state, run_config, weight_settings
 from .loop import train_async
+from .report import output_console
 
 
 def new_run_id() -> str:
@@ -39,7 +39,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     from .services import Services
     from .stack import start_agents, start_engine
 
-    console = console or Console()
+    console = console or output_console()
     run_dir = Path(resume_dir) if resume_dir else Path(cfg.out_dir) / new_run_id()
     state = resume_state(run_dir) if resume_dir else None  # NotResumable, before anything starts
     if state is not None:
@@ -85,7 +85,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                 try:
                     asyncio.run(backend.serve(0))
                 except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
-                    console.print(f"could not give the engine its base weights back: {escape(str(exc))}")
+                    console.print(f"could not give the engine its base weights back: {exc}")
 
 
 def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:

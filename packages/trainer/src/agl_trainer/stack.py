@@ -94,14 +94,14 @@ def start_engine(svc: Services, cfg: TrainConfig, console: Console, lora: bool,
     The base directory is None when ``cfg.engine_url`` is set and ``need_base`` is false (nothing converted).
     The vLLM it starts asks for a fresh key on every route, set as ``AGL_UPSTREAM_KEY`` in this process's environment
     (the gateway and controller it starts inherit it); an engine at ``cfg.engine_url`` gets this process's
-    ``AGL_UPSTREAM_KEY``, if any, and must answer first (:func:`~agl_trainer.cycle.check_reachable`: its
+    ``AGL_UPSTREAM_KEY``, if any, and must first answer that it serves ``cfg.model_name`` (:func:`~agl_trainer.cycle.check_reachable`: its
     :class:`~agl_trainer.cycle.EngineError`). Raises ``TimeoutError`` / ``RuntimeError`` from
     :meth:`Services.start_vllm`."""
     from .cycle import check_reachable
     from .model import ensure_base_model
 
     if cfg.engine_url is not None:
-        asyncio.run(check_reachable(cfg.engine_url))
+        asyncio.run(check_reachable(cfg.engine_url, cfg.model_name))
     if cfg.engine_url is not None and not need_base:
         return cfg.engine_url, None
     base = ensure_base_model(cfg.base_model, announce=console.print)

@@ -68,13 +68,13 @@ def _server_events(addresses: list[str]) -> dict:
 def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = False) -> dict:
     """The whole verl run (services included). Returns the loop's summary."""
     from agl_common.settings import redacted_url
-    from rich.console import Console
 
     from ...checkpoint import resume_state
     from ...config import TrainConfig
     from ...loop import train_async
     from ...lease import TrainerLease
     from ...model import ensure_base_model, load_vocabulary
+    from ...report import output_console
     from ...services import Services
     from ...stack import start_agents
     from .adapter import engine_upstream
@@ -84,7 +84,7 @@ def run(config_path: Path, run_dir: Path, ranks: int, cpu: bool, resume: bool = 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
     state = resume_state(run_dir) if resume else None  # (the CLI checked it before starting this process)
-    console = Console()
+    console = output_console()
     env = cpu_env() if cpu else {"VERL_USE_EXTERNAL_MODULES": "agl_trainer.backends.verl.hook"}
     init_ray(ranks, env) if cpu else _init_ray_gpu(env)
     result: dict = {}
