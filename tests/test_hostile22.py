@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fakes import Served, fake_upstream
+from test_gateway import upstream  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = "def heldout_problems():\n    return [{'question': '3 + 4?', 'answer': 7}, {'question': '1 + 1?', 'answer': 2}]\n"
@@ -131,3 +133,55 @@ def test_a_malformed_engine_key_is_named_not_read_as_an_engine_out_of_reach(key,
     assert key.strip() not in res.output and res.exception.__class__ is SystemExit, (res.output, res.exception)
     monkeypatch.setenv("AGL_UPSTREAM_KEY", "sk-0123456789abcdef")  # a well-formed one is sent
     assert engine_headers() == {"Authorization": "Bearer sk-0123456789abcdef"}
+
+
+def test_a_password_in_any_url_of_a_command_line_is_hidden_from_proc():
+    """(The fourteenth prober.) ``--redis redis://h/0?password=pw`` (a password the Store takes as a query option)
+    and ``--upstream http://u:pw@engine`` stayed readable in ``/proc/<pid>/cmdline`` of the gateway and the controller
+    (any user reads it: a harness took the Redis password from its controller's): only ``--key`` and a Redis URL's
+    user-part password were masked. Now every value that holds a URL with a secret (what ``redacted_url`` hides) is
+    masked, whatever its option; a URL without one stays readable."""
+    from agl_common.proc_secrets import argv_secrets
+    from test_hostile15 import SPY
+
+    argv = ["--redis", "redis://127.0.0.1:1/0?password=pw1-s3cret", "--upstream", "http://u:pw2-s3cret@127.0.0.1:2,"
+            "http://e:3/v1", "--redis=redis://h/0?pass%77ord=pw3-s3cret", "--command", "x --base http://t:pw4-s3cret@h",
+            "--gateway", "http://plain:1", "--key", "k5-s3cret"]
+    out = subprocess.run([sys.executable, "-c", SPY, *argv], env={**__import__("os").environ, "AGL_KEY": "x"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert "s3cret" not in seen["spied"] and "http://plain:1" in seen["spied"], seen["spied"][-400:]
+    assert seen["own"][1] == argv  # (the process's own argv is the parser's: unchanged)
+    assert argv_secrets(["--gateway", "http://plain:1", "--redis", "redis://h:1/0?db=1", "--command", "python a.py"]) == []
+
+
+async def test_a_message_field_after_a_streams_finish_is_an_error_record(store, redis_url, prefix, upstream):  # noqa: F811
+    """(The fourteenth prober.) After a stream's finish reason, a chunk carrying a ``function_call`` (or any message
+    field other than the content, tool calls and reasoning round 9 checked) was relayed to the agent and recorded
+    ``ok``, the field in the record's message with no token ids behind it. Any non-empty delta field after the finish
+    is now an error record, as tokens there are; an empty delta (an engine's closing chunk) still passes."""
+    import httpx
+    import orjson
+    from fakes import chat_chunks
+    from test_gateway import gateway, make_rollout
+    from test_hostile6 import _last, _one
+
+    await make_rollout(store, "r1")
+    chunks = chat_chunks("up", [1, 2, 3], [7, 8, 9, 2])
+    late = orjson.loads(chunks[-2][len(b"data: "):])  # the last token chunk (finish_reason "stop")
+    with gateway(redis_url, prefix, upstream.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            for delta, bad in (({"function_call": {"name": "rm_rf", "arguments": "{}"}}, True),
+                               ({"annotations": [{"x": 1}]}, True), ({"refusal": "no"}, True),
+                               ({}, False), ({"content": "", "role": "assistant"}, False)):
+                after = {**late, "choices": [{**late["choices"][0], "delta": delta, "token_ids": [],
+                                              "finish_reason": None, "logprobs": None}]}
+                upstream.app.state.plan = ("stream", [*chunks[:-1], b"data: " + orjson.dumps(after) + b"\n\n",
+                                                      chunks[-1]], "done")
+                await _one(c, gw, {"stream": True})
+                rec = await _last(store)
+                assert (rec.status == "error" and "after the stream's finish reason" in rec.error) == bad, \
+                    (delta, rec.status, rec.error)
+                assert bad or rec.status == "ok", (delta, rec.error)
+    upstream.app.state.plan = None

@@ -73,27 +73,28 @@ def hide_from_proc(secrets: Iterable[str | None], dumpable: bool = True) -> bool
     return True
 
 
-#: Options whose value is a secret on any AGL command line (``--redis`` only when its URL holds a password).
-SECRET_OPTIONS = ("--key", "--redis")
+def _holds_secret(value: str) -> bool:
+    """Whether ``value`` holds a URL with a secret in it: anything :func:`agl_common.settings.redacted_urls` would hide
+    (a password in the user part or in ``?password=`` / ``?ssl_password=``, a token in the query or fragment, a user
+    part alone). One definition: what AGL never shows is what it masks."""
+    from .settings import redacted_urls
+
+    return "://" in value and redacted_urls(value) != value
 
 
 def argv_secrets(argv: list[str]) -> list[str]:
-    """The values of :data:`SECRET_OPTIONS` in ``argv`` (``--key K`` and ``--key=K`` forms): a Redis URL only
-    if it holds a password. Never raises."""
-    from urllib.parse import urlsplit
-
+    """The secrets of a command line ``argv``: the value of ``--key`` (``--key K`` and ``--key=K`` forms), and every
+    value (an option's, ``--opt=value``'s, or a bare argument) that holds a URL with a secret (:func:`_holds_secret`:
+    ``--redis redis://h/0?password=pw``, ``--upstream http://u:pw@h``, a URL inside ``--command``). A URL without a
+    secret stays readable. Never raises."""
     found = []
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name not in SECRET_OPTIONS:
-            continue
-        if not eq:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        try:
-            secret = name == "--key" or urlsplit(value).password is not None
-        except ValueError:  # (an unparsable URL: masked, the CLI refuses it anyway)
-            secret = True
-        if secret and value:
+        if name == "--key":
+            value = value if eq else argv[i + 1] if i + 1 < len(argv) else ""
+        elif not (arg.startswith("--") and eq and _holds_secret(value)):
+            value = arg if _holds_secret(arg) else ""
+        if value:
             found.append(value)
     return found
 

@@ -463,10 +463,10 @@ class StreamCapture:
                                         "choice, index 0)")
             ids = int_list(ch.get("token_ids"), "token_ids")
             delta = _given(ch, "delta", dict, "'delta'")
-            if cap.finish_reason and (ids or delta.get("content") or delta.get("tool_calls")
-                                      or any(delta.get(k) for k in TEXT_FIELDS) or ch.get("finish_reason")):
-                raise MalformedUpstream(f"tokens (or a second finish reason) after the stream's finish reason "
-                                        f"{cap.finish_reason!r:.20}")
+            late = [k for k, v in delta.items() if k != "role" and v not in (None, "", [], {})]
+            if cap.finish_reason and (ids or late or ch.get("finish_reason")):  # (any field: a late `function_call`
+                raise MalformedUpstream(f"tokens, a message field or a second finish reason after the stream's "
+                                        f"finish reason {cap.finish_reason!r:.20}")  # was relayed and recorded ok)
             n_ids += len(ids)
             cap.response_token_ids += ids
             lp = _given(ch, "logprobs", dict, "'logprobs'")
