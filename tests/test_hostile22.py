@@ -35,6 +35,7 @@ def test_redis_url_values_redis_py_takes_as_given_are_refused_in_one_line():
     for url in ("rediss://u:pw@h/0?ssl_cert_reqs=foo", "redis://h/0?socket_timeout=inf", "redis://h/0?socket_timeout=nan",
                 "redis://h/0?socket_timeout=0", "redis://h/0?socket_connect_timeout=-1", "redis://h/0?timeout=inf",
                 "redis://h/0?max_connections=0", "redis://h/0?socket_read_size=0", "redis://h/0?health_check_interval=-5",
+                "redis://h/0?socket_timeout=1e300", "redis://h/0?timeout=1e9",
                 "redis://h/0?protocol=9"):
         with pytest.raises(ValueError, match="bad Redis URL") as got:
             check_redis_url(url)
@@ -52,20 +53,26 @@ def test_redis_url_values_redis_py_takes_as_given_are_refused_in_one_line():
 def test_every_console_of_the_trainer_prints_user_text_as_it_is():
     """(The twelfth prober.) Paths and prefixes were printed as Rich markup: an ``out_dir`` holding ``[/]`` was a
     ``MarkupError`` traceback after a whole evaluation, at the start of ``train`` and of ``ui``. Every console the
-    trainer prints on is :func:`agl_trainer.report.output_console` (markup off unless asked for, and then every
-    interpolated text escaped): checked here in the source, so that a new ``Console()`` cannot bring it back."""
+    trainer prints on is :func:`agl_trainer.report.output_console` (markup off, control characters escaped), every
+    progress bar :func:`agl_trainer.report.progress_bars`, and nothing imports Rich's ``escape``: checked here in the
+    source, so that a new ``Console()`` cannot bring it back."""
     from agl_trainer.report import output_console
 
     made = []
     for path in (ROOT / "packages" / "trainer" / "src" / "agl_trainer").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Console":
-                made.append(f"{path.name}:{node.lineno}")
-    assert len(made) == 1 and made[0].startswith("report.py:"), made  # output_console's, and no other
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            name = getattr(node, "func", None) and getattr(node.func, "id", getattr(node.func, "attr", None))
+            if isinstance(node, ast.Call) and name in ("Console", "Progress", "TextColumn") and \
+                    path.name != "report.py":
+                made.append(f"{path.name}:{node.lineno} {name}")
+            if isinstance(node, ast.ImportFrom) and node.module == "rich.markup":
+                made.append(f"{path.name}:{node.lineno} rich.markup")
+    assert not made, made
     console = output_console()
     with console.capture() as cap:
-        console.print("outputs in runs/[/]x and [red]y[/red]")
-    assert cap.get().strip() == "outputs in runs/[/]x and [red]y[/red]"
+        console.print("outputs in runs/[/]x and [red]y[/red] \x1b[31mred\x1b]8;;http://x\x07")
+    assert cap.get().strip() == "outputs in runs/[/]x and [red]y[/red] \\x1b[31mred\\x1b]8;;http://x\\x07"
 
 
 @pytest.mark.timeout(300)
@@ -185,3 +192,248 @@ async def test_a_message_field_after_a_streams_finish_is_an_error_record(store, 
                     (delta, rec.status, rec.error)
                 assert bad or rec.status == "ok", (delta, rec.error)
     upstream.app.state.plan = None
+
+
+@pytest.mark.timeout(300)
+def test_a_model_name_and_paths_holding_markup_are_printed_as_they_are(tmp_path, redis_url, prefix):
+    """(The thirteenth prober.) Round 22's consoles still left two: the evaluation's progress bar read its
+    description (``held-out eval (MODEL)``) as markup whatever its console's setting — a ``model_name`` ``a[/]b`` was
+    a traceback before any call; ``rollouts export --out 'o[/]d/x.jsonl'`` wrote the file, then its stderr line was a
+    traceback. Every console and progress bar now prints text as it is (``report.output_console``,
+    ``report.progress_bars``), the stderr console too."""
+    import asyncio
+
+    from agl_common.schemas import CallRecord, Rollout
+    from agl_common.store import Store
+    from agl_trainer.cli import app
+    from typer.testing import CliRunner
+
+    with Served(fake_upstream(model="a[/]b")) as engine:
+        config = _eval_config(tmp_path, redis_url, prefix, engine_url=engine.url, model_name="a[/]b")
+        got = subprocess.run([sys.executable, "-m", "agl_trainer", "eval", str(config)], capture_output=True,
+                             text=True, timeout=240)
+    assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-3000:]
+
+    async def one_call():
+        store = Store(redis_url, prefix)
+        try:
+            await store.create_rollout(Rollout(rollout_id="m1", input={}), enqueue=False)
+            await store.record_call(CallRecord(rollout_id="m1", attempt_id="0", seq=0, route="chat", request={},
+                                               response={}))
+        finally:
+            await store.close()
+
+    asyncio.run(one_call())
+    (tmp_path / "o[/]d").mkdir(parents=True)
+    res = CliRunner().invoke(app, ["rollouts", "export", "--redis", redis_url, "--prefix", prefix, "--out",
+                                   str(tmp_path / "o[/]d" / "x.jsonl")])
+    assert res.exit_code == 0 and f"written to {tmp_path / 'o[/]d' / 'x.jsonl'}" in res.output, res.output
+
+
+def test_an_export_that_fails_or_is_cut_leaves_the_file_it_would_replace(tmp_path, redis_url, prefix):
+    """(The thirteenth prober.) ``rollouts export --out FILE`` truncated FILE first: a write cut by a full disk
+    (``ulimit -f``) or SIGTERM left a part of the export where the old file was. The export is written beside it
+    and renamed over it whole; on failure the old file stays and no part is left."""
+    import asyncio
+    import resource
+
+    from agl_common.schemas import CallRecord, Rollout
+    from agl_common.store import Store
+
+    async def calls():
+        store = Store(redis_url, prefix)
+        try:
+            await store.create_rollout(Rollout(rollout_id="big", input={}), enqueue=False)
+            for seq in range(8):
+                await store.record_call(CallRecord(rollout_id="big", attempt_id="0", seq=seq, route="chat",
+                                                   request={"x": "y" * 300_000}, response={}))
+        finally:
+            await store.close()
+
+    asyncio.run(calls())
+    keep = tmp_path / "keep.jsonl"
+    keep.write_text("OLD PRECIOUS DATA\n")
+    keep.chmod(0o640)
+    argv = [sys.executable, "-m", "agl_trainer", "rollouts", "export", "--redis", redis_url, "--prefix", prefix,
+            "--out", str(keep)]
+    small = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731 - 1 MiB per file
+    got = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=small)
+    assert got.returncode == 1 and "cannot write" in got.stderr, (got.returncode, got.stderr[-2000:])
+    assert keep.read_text() == "OLD PRECIOUS DATA\n" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.jsonl"]
+    got = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # and without the limit: replaced whole
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert len(keep.read_text().splitlines()) == 8 and keep.stat().st_mode & 0o777 == 0o640
+
+
+async def test_an_engines_answer_to_a_swap_is_bounded_and_shown_without_secrets(monkeypatch):
+    """(The thirteenth prober.) The policy swaps (adapter load and unload, weight reload) read an engine's answer
+    with none of the engine check's guards: its text (ESC and OSC-8 sequences, the engine key it echoed) and the
+    engine URL's password were printed as they were, a gzip body was decoded whole (1.9 GB), a body dripped a byte
+    at a time held ``eval`` for ever. Every request the trainer makes to an engine now goes through one bounded
+    request (``cycle._engine_request``: time in all, bytes as sent), and what a message shows of an answer is
+    printable, with the key masked."""
+    import asyncio
+    import gzip
+
+    from agl_trainer import cycle
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    key = "sk-TopSecretEngineKey12345"
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", key)
+
+    async def load(request):
+        where = request.path_params["where"]
+        if where == "echo":
+            return PlainTextResponse("\x1b]8;;http://evil\x1b\\click\x1b]8;;\x1b\\ \x1b[31mRED "
+                                     + request.headers["authorization"], status_code=500)
+        if where == "bomb":
+            return Response(gzip.compress(b"\0" * (64 << 20)), status_code=500, headers={"Content-Encoding": "gzip"})
+
+        async def drip():
+            while True:
+                yield b" "
+                await asyncio.sleep(0.5)
+        return StreamingResponse(drip())
+
+    with Served(Starlette(routes=[Route("/{where}/v1/load_lora_adapter", load, methods=["POST"])])) as server:
+        base = server.url.replace("http://", "http://user:s3cretpw@")
+        with pytest.raises(cycle.EngineError) as got:
+            await cycle.load_adapter(f"{base}/echo", "a1", Path("/nowhere"))
+        said = str(got.value)
+        assert "\x1b" not in said and key[:16] not in said and "s3cretpw" not in said and "RED" in said, said
+        assert "dXNlcjpz" not in said, said  # (httpx sends the URL's user:password as Basic: echoed, in base64)
+        with pytest.raises(cycle.EngineError) as got:
+            await cycle.load_adapter(f"{server.url}/bomb", "a1", Path("/nowhere"))
+        assert len(str(got.value)) < 600, str(got.value)[:600]
+        with pytest.raises(cycle.EngineError, match="did not answer POST"):
+            async with __import__("httpx").AsyncClient() as http:
+                await cycle._engine_request(http, "POST", f"{server.url}/drip", "/v1/load_lora_adapter", json={},
+                                            timeout_s=2)
+
+
+def _fake_redis(reply: bytes):
+    """A TCP server on a free loopback port that answers every command with ``reply`` (a RESP error line), CLIENT
+    SETINFO with an error redis-py ignores, PING and HELLO as a server would; returns ``(port, stop)``."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(0.2)
+    done = threading.Event()
+
+    def serve(conn):
+        buf = b""
+        with conn:
+            while not done.is_set():
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                buf += data
+                while buf.startswith(b"*") and b"\r\n" in buf:  # one command: *N, then N bulk strings
+                    lines = buf.split(b"\r\n")
+                    n = int(lines[0][1:])
+                    if len(lines) < 1 + 2 * n + 1:
+                        break
+                    words = lines[2:2 + 2 * n:2]
+                    buf = b"\r\n".join(lines[1 + 2 * n:])
+                    verb = words[0].upper()
+                    conn.sendall({b"CLIENT": b"-ERR unknown\r\n", b"PING": b"+PONG\r\n",
+                                  b"HELLO": b"%1\r\n+proto\r\n:3\r\n"}.get(verb, reply))
+
+    def accept():
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        srv.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv.getsockname()[1], done.set
+
+
+def test_a_redis_that_refuses_a_command_is_one_printable_line():
+    """(The thirteenth prober.) A Redis that refuses a command (out of memory, a user without the permission, a
+    read-only replica) was a ``ResponseError`` traceback in every CLI, and a server's error text reached the terminal
+    with its escape sequences. Now one line, exit 1, its control characters escaped, in the trainer's and the
+    controller's CLIs."""
+    evil = b"-NOPERM \x1b[31mEVIL\x1b]8;;http://evil.example\x07click\x1b]8;;\x07 [/] [bold]x\r\n"
+    port, stop = _fake_redis(evil)
+    try:
+        for argv in (["agl_trainer", "rollouts", "list"], ["agl_trainer", "gateway", "status"],
+                     ["agl_trainer", "rollouts", "create", "--input", "{}"],
+                     ["agl_controller", "run", "--mode", "local", "--command", "true"]):
+            got = subprocess.run([sys.executable, "-m", *argv, "--redis", f"redis://127.0.0.1:{port}/0"],
+                                 capture_output=True, text=True, timeout=60)
+            assert got.returncode == 1 and "Traceback" not in got.stderr and "\x1b" not in got.stderr, \
+                (argv, got.returncode, got.stderr[-2000:])
+            assert "Redis refused a command" in got.stderr and "[/]" in got.stderr, got.stderr
+            assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+    finally:
+        stop()
+
+
+def test_a_missing_redis_server_is_named_without_the_password(monkeypatch, tmp_path):
+    """(The thirteenth prober.) With no Redis answering and no ``redis-server`` installed, the run's error printed
+    the Redis URL with its password."""
+    import shutil
+
+    from agl_trainer.services import ServiceError, Services
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    with Services(tmp_path / "logs") as svc, pytest.raises(ServiceError) as got:
+        svc.ensure_redis("redis://:topsecretpw@127.0.0.1:1/0")
+    assert "topsecretpw" not in str(got.value) and "redis-server is not installed" in str(got.value), got.value
+
+
+def test_rollouts_create_interrupted_stops_between_two_rollouts_and_says_which(redis_url, prefix):
+    """(The thirteenth prober.) ``rollouts create --n 100000`` stopped by SIGTERM could cut a rollout between its
+    record and its queue entry (stored ``queuing``, in no queue and no index: never run, never listed, its id
+    taken), and printed none of the ids it had created. It now stops between two rollouts, prints each one created
+    and says how many, exit 130."""
+    import signal
+    import time
+
+    import redis as sync_redis
+
+    proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--redis", redis_url,
+                             "--prefix", prefix, "--input", "{}", "--n", "100000", "--id", "k"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = sync_redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while not list(r.scan_iter(f"{prefix}rollout:*", count=1000)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, errs = proc.communicate(timeout=60)
+    records = sum(1 for _ in r.scan_iter(f"{prefix}rollout:*", count=1000))
+    ids = out.split()
+    assert proc.returncode == 130 and f"interrupted: {len(ids)} of 100000" in errs, (proc.returncode, errs[-2000:])
+    assert 0 < len(ids) == records < 100000, (len(ids), records)
+    index = [k for k in r.scan_iter(f"{prefix}*rollouts", count=1000)]
+    queue = [k for k in r.scan_iter(f"{prefix}*queue", count=1000)]
+    assert len(index) == len(queue) == 1 and r.zcard(index[0]) == r.llen(queue[0]) == records
+
+
+def test_the_dashboard_on_a_port_in_use_says_so_before_announcing_anything(tmp_path):
+    """(The thirteenth prober.) ``ui --port P`` with P in use announced ``AGL dashboard: http://...:P/``, then
+    printed uvicorn's error and exited 3. The port is bound first: one line, exit 1, nothing announced."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    with taken:
+        got = subprocess.run([sys.executable, "-m", "agl_trainer", "ui", "--port", str(taken.getsockname()[1]),
+                              "--tokenizer", "none", "--runs-dir", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60)
+    assert got.returncode == 1 and "cannot listen on 127.0.0.1 port" in got.stderr, (got.returncode, got.stderr)
+    assert "AGL dashboard" not in got.stdout and "Traceback" not in got.stderr, (got.stdout, got.stderr)

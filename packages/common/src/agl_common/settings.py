@@ -81,6 +81,13 @@ SECRET_PARAM = re.compile(r"(?:^|[^a-z])(?:pass|password|passwd|pwd|secret|token
                           r"signature|credential|credentials)(?:$|[^a-z])", re.IGNORECASE)
 
 
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with each non-printable character (ESC and other control codes, a lone surrogate) but those in
+    ``keep`` written as its escape (``\\x1b``), so that nothing stored by a harness, sent by an engine or a Redis
+    server, or typed by a user can drive the terminal it is shown on."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 def redacted_url(url: str) -> str:
     """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
     in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter whose name says

@@ -63,6 +63,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, P
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     ConnectionError as RedisConnectionError,
     MovedError,
@@ -92,7 +93,7 @@ from .schemas import (
     env_map_fault,
     record_fault,
 )
-from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, redacted_url
+from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, printable, redacted_url
 
 #: A gateway replica is *live* while its last heartbeat (sent every second) is younger than this (s).
 REPLICA_TTL_S = 5
@@ -125,10 +126,12 @@ URL_OPTIONS = frozenset({
     "ssl_check_hostname", "ssl_include_verify_flags", "ssl_exclude_verify_flags", "ssl_min_version", "ssl_cert_reqs",
     "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_ciphers",
     "lib_name", "lib_version"})
-#: The numeric :data:`URL_OPTIONS` and the values each takes (checked before redis-py reads them: it took ``inf``,
-#: ``nan`` and ``0`` as given).
-URL_NUMBERS = {"socket_timeout": "above 0", "socket_connect_timeout": "above 0", "timeout": "above 0",
-               "max_connections": "above 0", "socket_read_size": "above 0", "health_check_interval": "of 0 or more"}
+#: The numeric :data:`URL_OPTIONS` and the range each takes, ``(lowest, highest, whether lowest itself is taken)``,
+#: checked before redis-py reads them: it took ``inf``, ``nan``, ``0`` and ``1e300`` as given (an infinite or
+#: astronomic timeout hung every command on a silent server).
+URL_NUMBERS = {"socket_timeout": (0, 3600, False), "socket_connect_timeout": (0, 3600, False),
+               "timeout": (0, 3600, False), "health_check_interval": (0, 86400, True),
+               "max_connections": (0, 2**20, False), "socket_read_size": (0, 2**26, False)}
 
 
 def _lua_open_attempt(rollout: str, attempt: str) -> str:
@@ -381,10 +384,18 @@ class _CheckedSetup:
 
 
 def redis_error_line(exc: Exception) -> str:
-    """The one line a CLI prints for a Redis it cannot use (``exc``: a connection or timeout error)."""
+    """The one line a CLI prints for a Redis it cannot use or that refused a command (``exc``: a
+    :class:`redis.exceptions.RedisError`), the server's text made printable (:func:`~agl_common.settings.printable`: a
+    server answering with terminal escapes must not drive the terminal)."""
+    said = printable(str(exc))
     if isinstance(exc, StoreRefused):
-        return f"Redis refused: {exc} (--redis / AGL_REDIS_URL)"
-    return f"Redis did not answer: {exc} (is it running? --redis / AGL_REDIS_URL)"
+        return f"Redis refused: {said} (--redis / AGL_REDIS_URL)"
+    if isinstance(exc, AuthenticationError):
+        return f"Redis refused the credentials: {said} (the user and password of --redis / AGL_REDIS_URL)"
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return f"Redis did not answer: {said} (is it running? --redis / AGL_REDIS_URL)"
+    return (f"Redis refused a command: {said} (out of memory, a user without that permission, a read-only replica? "
+            "--redis / AGL_REDIS_URL)")
 
 
 def is_cluster_url(url: str) -> bool:
@@ -427,15 +438,15 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
         # A blocking pool: past ``max_connections`` a caller waits (up to 10 s) for a free connection
         # instead of failing at once (redis-py's default pool turned load into "Too many connections").
         for name in sorted(set(URL_NUMBERS) & set(query)):  # (``inf`` turned a timeout off, ``0`` read nothing for ever)
-            low = URL_NUMBERS[name]
+            low, high, low_taken = URL_NUMBERS[name]
             for value in query[name]:
                 try:
                     number = float(value)
                 except ValueError:
                     continue  # (redis-py names it below)
-                if not (math.isfinite(number) and (number > 0 if low == "above 0" else number >= 0)):
-                    raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{name} takes a finite number {low}, got "
-                                     f"{value[:40]!r}")
+                if not (math.isfinite(number) and (number >= low if low_taken else number > low) and number <= high):
+                    raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{name} takes a number "
+                                     f"{'from' if low_taken else 'above'} {low} to {high}, got {value[:40]!r}")
         try:  # an unknown option value (``?ssl_cert_reqs=x``) or a database out of range fails here, not later
             pool = aioredis.BlockingConnectionPool.from_url(
                 url, max_connections=max_connections, timeout=10, socket_connect_timeout=5, socket_timeout=10,

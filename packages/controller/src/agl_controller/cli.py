@@ -18,7 +18,7 @@ import typer
 from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_gateway_url, check_prefix, command_argv,
                                  redacted_url)
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from .base import DEFAULT_RETRY_ON, ControllerIdLive, check_controller_id, check_retry_on, load_reward_fn
 from .local import DEFAULT_MAX_LOG_BYTES, NEVER_PASSED
@@ -292,11 +292,11 @@ def run(
 
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Redis out of reach (exit 1), a live controller under this id or run-as users in use (exit 2): one line, not a
-    traceback."""
+    """Redis out of reach or refusing a command (exit 1), a live controller under this id or run-as users in use
+    (exit 2): one line, not a traceback."""
     try:
         yield
-    except (RedisConnectionError, RedisTimeoutError) as exc:
+    except RedisError as exc:
         from agl_common.store import redis_error_line
 
         typer.echo(f"error: {redis_error_line(exc)}", err=True)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import typer
-from agl_common.settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, allowed_hosts, check_bind_host, redacted_url
-from rich.markup import escape
+from agl_common.settings import (DEFAULT_PREFIX, DEFAULT_REDIS_URL, allowed_hosts, check_bind_host, printable,
+                                 redacted_url)
 from rich.table import Table
 
 from .report import output_console
@@ -29,16 +30,9 @@ RunRedisOpt = typer.Option(None, "--redis", envvar="AGL_REDIS_URL", help="Redis 
 RunPrefixOpt = typer.Option(None, "--prefix", envvar="AGL_PREFIX", help="Redis key prefix (overrides the config)")
 
 
-def printable(text: str) -> str:
-    """``text`` with each non-printable character (ESC and other control codes) written as its escape
-    (``\\x1b``), so that nothing stored by a harness or a user can drive the terminal."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _redis_overrides(redis: str | None, prefix: str | None) -> dict:
     return {k: v for k, v in {"redis_url": redis, "prefix": prefix}.items() if v is not None}
-console = output_console()  # (no markup: what it prints is data)
-err = output_console(stderr=True, markup=True)  # (markup for the red; every interpolated text escaped)
+console, err = output_console(), output_console(stderr=True)  # (text as it is: no markup, no control characters)
 
 
 def _checked_id(value: str | None, what: str) -> str | None:
@@ -77,7 +71,7 @@ def _store(redis: str, prefix: str):
     try:
         return Store(redis, prefix)
     except ValueError as exc:
-        err.print(f"[red]invalid --redis / --prefix[/red]: {escape(str(exc))}")
+        err.print(f"invalid --redis / --prefix: {exc}")
         raise typer.Exit(2) from None
 
 
@@ -104,7 +98,7 @@ def _with_loggers(cfg, loggers: list[str] | None):
             cfg = cfg.with_fields(loggers=check_trackers(names))
         check_trackers(cfg.loggers, Path(cfg.out_dir))
     except (ValueError, ValidationError, TrackerMissing) as exc:
-        err.print(f"error: {exc}", soft_wrap=True, markup=False, highlight=False)
+        err.print(f"error: {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
     return cfg
 
@@ -124,7 +118,7 @@ def _check_task(cfg, train: bool = True) -> None:
         except OSError as exc:
             raise TaskError(f"out_dir {cfg.out_dir}: {exc.strerror or exc}") from None
     except TaskError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -137,7 +131,7 @@ def _check_prefix(cfg) -> None:
     try:
         check_prefix_free(cfg)
     except PrefixInUse as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -152,23 +146,23 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
     try:
         run_training(cfg, console, resume_dir)
     except NotResumable as exc:
-        err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
+        err.print(f"cannot resume: {exc}")
         raise typer.Exit(2) from None
     except TrainerLive as exc:  # (a trainer that took the prefix after the check at start)
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted: every service this run started has been stopped")
         raise typer.Exit(130) from None
     except EngineError as exc:  # an engine that cannot swap policies (checked at start), or refused a swap
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except TimeoutError as exc:  # DrainTimeout included: a replica that never drains
         err.print(f"error: {exc}\nA replica with calls in flight was still waiting on the engine (a generation "
                   "longer than drain_timeout_s: raise it, or lower rollout_timeout_s, which bounds the calls of the "
                   "gateway a run starts); a late one, or one with none in flight, may be a gateway left from a "
                   "killed run: stop it, or wait 30 s after it dies. Then resume with --resume RUN_DIR; "
-                  "`agl-trainer gateway status` lists the replicas.", markup=False, highlight=False, soft_wrap=True)
+                  "`agl-trainer gateway status` lists the replicas.", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -210,7 +204,7 @@ def _load_config(path: Path, overrides: dict | None = None, uses_redis: bool = T
                                  f"in a config of your own ({field}: in YAML)")
         return cfg
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid config {escape(str(path))}[/red]: {escape(describe_error(exc))}", soft_wrap=True)
+        err.print(f"invalid config {path}: {describe_error(exc)}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -233,11 +227,11 @@ def _run_verl(cfg, resume_dir: Path | None) -> None:
             resume_state(resume_dir)
             check_resumable(cfg, Path(resume_dir))
         except NotResumable as exc:
-            err.print(f"[red]cannot resume[/red]: {escape(str(exc))}")
+            err.print(f"cannot resume: {exc}")
             raise typer.Exit(2) from None
     py = verl_python()
     if py is None:
-        err.print("[red]no verl environment[/red]: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "
+        err.print("no verl environment: run `bash scripts/setup-verl.sh` (creates .venv-verl) or set "
                   "AGL_VERL_PYTHON to a Python that has verl 0.9.1")
         raise typer.Exit(2)
     _check_prefix(cfg)
@@ -298,7 +292,7 @@ def demo(
     try:
         cfg = TrainConfig(**overrides, **_redis_overrides(redis, prefix))
     except (ValidationError, ValueError) as exc:
-        err.print(f"[red]invalid option[/red]: {escape(describe_error(exc))}", soft_wrap=True)
+        err.print(f"invalid option: {describe_error(exc)}", soft_wrap=True)
         raise typer.Exit(2) from None
     _run(_with_loggers(cfg, logger))
 
@@ -317,12 +311,12 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     cfg = _with_loggers(_load_config(config, _redis_overrides(redis, prefix)), logger)
     _check_task(cfg, train=False)
     if n < 1:
-        err.print(f"[red]--n must be at least 1[/red], got {n}")
+        err.print(f"--n must be at least 1, got {n}")
         raise typer.Exit(2)
     try:
         pol = resolve_policy(policy, cfg, run)
     except PolicyNotFound as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     _check_prefix(cfg)
     _sigterm_as_interrupt()
@@ -332,7 +326,7 @@ def eval_(config: Path = typer.Argument(..., exists=True, dir_okay=False, help="
         err.print("interrupted: every service this evaluation started has been stopped")
         raise typer.Exit(130) from None
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if as_json:
         sys.stdout.write(json.dumps(res) + "\n")
@@ -358,31 +352,39 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
     try:
         decoder = load_decoder(tokenizer)
     except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
-        err.print(f"[red]--tokenizer {escape(str(tokenizer))}: {escape(str(exc))}[/red]")
+        err.print(f"--tokenizer {tokenizer}: {exc}")
         raise typer.Exit(2) from None
     try:
         check_bind_host(host)
     except ValueError as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]")
+        err.print(str(exc))
         raise typer.Exit(2) from None
     if runs_dir.exists() and not runs_dir.is_dir():
-        err.print(f"[red]--runs-dir {escape(str(runs_dir))}[/red] is a file, not a folder of run directories")
+        err.print(f"--runs-dir {runs_dir} is a file, not a folder of run directories")
         raise typer.Exit(2) from None
     try:
         app_ = create_app(redis, prefix, runs_dir, decoder)
     except ValueError as exc:  # a Redis URL or prefix the Store refuses
-        err.print(f"[red]invalid --redis / --prefix[/red]: {escape(str(exc))}")
+        err.print(f"invalid --redis / --prefix: {exc}")
         raise typer.Exit(2) from None
     from starlette.middleware.trustedhost import TrustedHostMiddleware
 
     app_.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(host))  # no DNS rebinding on loopback
     if not runs_dir.is_dir():
-        err.print(f"no folder {escape(str(runs_dir))} yet: the run list stays empty until a run writes there")
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        err.print(f"no folder {runs_dir} yet: the run list stays empty until a run writes there")
+    try:  # bound before it is announced: a port in use was announced, then uvicorn's error and exit 3
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:  # (socket.gaierror included: a name that does not resolve)
+        err.print(f"cannot listen on {host} port {port}: {exc.strerror or exc}")
+        raise typer.Exit(1) from None
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
     console.print(f"AGL dashboard: http://{shown}:{port}/  (runs from {runs_dir.resolve()}, Redis {redacted_url(redis)} "
                   f"prefix {prefix!r}; Ctrl-C stops it)", soft_wrap=True)
     sys.stdout.flush()
-    uvicorn.run(app_, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app_, log_level="warning")).run(sockets=[sock])
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -398,11 +400,12 @@ def rollouts_create(
     import uuid
 
     from agl_common.schemas import Rollout, check_rollout_id, parse_input
+    from agl_common.store import redis_error_line
 
     try:
         inp = parse_input(input_json)
     except ValueError as exc:
-        err.print(f"[red]invalid --input[/red]: {escape(str(exc))}")
+        err.print(f"invalid --input: {exc}")
         raise typer.Exit(2) from None
     base = uuid.uuid4().hex[:12] if rollout_id is None else rollout_id  # (an empty --id is refused, not replaced)
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
@@ -410,36 +413,55 @@ def rollouts_create(
         for rid in ids:
             check_rollout_id(rid)
     except ValueError as exc:
-        err.print(f"[red]invalid --id[/red]: {escape(str(exc))}")
+        err.print(f"invalid --id: {exc}")
         raise typer.Exit(2) from None
     try:
         check_rollout_id(base if group is None else group, "group id")
     except ValueError as exc:
-        err.print(f"[red]invalid --group[/red]: {escape(str(exc))}")
+        err.print(f"invalid --group: {exc}")
         raise typer.Exit(2) from None
 
     created: list[str] = []
+    stop = []
 
     async def main():
+        # Ctrl-C or SIGTERM ends the loop between two rollouts, never inside one: a rollout is stored, indexed and
+        # queued in steps (its record and the experiment's keys lie in two hash slots), and one cut between them
+        # was stored `queuing` in no queue: never run, never listed, its id taken
+        loop, before = asyncio.get_running_loop(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for sig in before:
+            loop.add_signal_handler(sig, stop.append, sig)
         store = _store(redis, prefix)
         try:
             for rid in ids:
+                if stop:
+                    break
                 await store.create_rollout(Rollout(rollout_id=rid, input=inp,
                                                    group_id=base if group is None else group))
                 created.append(rid)
         finally:
+            for sig, handler in before.items():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, handler)
             await store.close()
+
+    from redis.exceptions import RedisError
 
     try:
         asyncio.run(main())
-    except ValueError as exc:
+    except (ValueError, RedisError) as exc:
         for rid in created:  # queued already: the user must know them (to run or clean them up)
             console.print(rid)
-        err.print(f"[red]{escape(str(exc))}[/red]" + (f" ({len(created)} rollout(s) created before it and queued: "
-                                                      "printed above)" if created else ""))
+        line = redis_error_line(exc) if isinstance(exc, RedisError) else str(exc)
+        err.print(f"{line}" + (f" ({len(created)} rollout(s) created before it and queued: printed above)"
+                               if created else ""), soft_wrap=True)
         raise typer.Exit(1) from None
-    for rid in ids:
+    for rid in created:
         console.print(rid)
+    if stop:
+        err.print(f"interrupted: {len(created)} of {len(ids)} rollout(s) created and queued (printed above), the "
+                  "rest not created")
+        raise typer.Exit(130)
 
 
 @rollouts_app.command("list")
@@ -500,7 +522,7 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
     try:
         decoder = load_decoder(tokenizer)
     except (OSError, ValueError) as exc:  # missing, or not a tokenizer (a broken tokenizer.json)
-        err.print(f"[red]{escape(what)}[/red]: {escape(str(exc))}", soft_wrap=True)
+        err.print(f"{what}: {exc}", soft_wrap=True)
         raise typer.Exit(2) from None
 
     async def main():
@@ -518,7 +540,7 @@ def rollouts_show(rollout_id: str = typer.Argument(..., callback=_a_rollout_id),
     try:
         rollout, calls, (n_events, events) = asyncio.run(main())
     except RolloutNotFound:
-        err.print(f"[red]unknown rollout {escape(repr(rollout_id))}[/red]")
+        err.print(f"unknown rollout {repr(rollout_id)}")
         raise typer.Exit(1) from None
     trace = analyse(rollout, calls, settings, decoder)
     rows = [{"row": k, "role": row.role, "seqs": row.seqs, "calls": row.n_calls, "prompt_tokens": len(row.prompt_ids),
@@ -578,7 +600,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     import math
 
     if min_reward is not None and not math.isfinite(min_reward):
-        err.print(f"[red]invalid --min-reward[/red]: a finite number, got {min_reward!r}")
+        err.print(f"invalid --min-reward: a finite number, got {min_reward!r}")
         raise typer.Exit(2)
     from agl_common.schemas import RolloutStatus
     from agl_common.store import RolloutNotFound
@@ -588,18 +610,18 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     try:
         state = RolloutStatus(status) if status is not None else None
     except ValueError:
-        err.print(f"[red]invalid --status {escape(repr(status))}[/red]: "
+        err.print(f"invalid --status {repr(status)}: "
                   f"choose {', '.join(s.value for s in RolloutStatus)}")
         raise typer.Exit(2) from None
     if shape not in ("calls", "rows", "messages") or fmt not in ("jsonl", "parquet"):
-        err.print(f"[red]invalid --shape {escape(repr(shape))} or --format {escape(repr(fmt))}[/red]: "
+        err.print(f"invalid --shape {repr(shape)} or --format {repr(fmt)}: "
                   "shapes calls, rows, messages; formats jsonl, parquet")
         raise typer.Exit(2) from None
     if fmt == "parquet" and out is None:
-        err.print("[red]--format parquet writes a file[/red]: give --out FILE.parquet")
+        err.print("--format parquet writes a file: give --out FILE.parquet")
         raise typer.Exit(2) from None
     if out is not None and not out.parent.is_dir():  # (checked before anything is read)
-        err.print(f"[red]--out {escape(str(out))}[/red]: directory {escape(str(out.parent))} does not exist")
+        err.print(f"--out {out}: directory {out.parent} does not exist")
         raise typer.Exit(2) from None
     cfg = _load_config(config, uses_redis=False) if config is not None else None
     stats = ExportStats()
@@ -612,7 +634,7 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
             base = ensure_base_model(cfg.base_model if cfg else None)
             vocab = load_decoder(str(base))
         except (OSError, ValueError) as exc:  # (round 17: a base_model without a tokenizer was a traceback)
-            err.print(f"[red]the base model's tokenizer[/red]: {escape(str(exc))}", soft_wrap=True)
+            err.print(f"the base model's tokenizer: {exc}", soft_wrap=True)
             raise typer.Exit(2) from None
 
     async def main():
@@ -626,24 +648,24 @@ def rollouts_export(rollout: str = typer.Option(None, "--rollout", help="only th
     try:
         records = asyncio.run(main())
         if not stats.rollouts:  # an empty data set is valid, but a filter that matched nothing must not look like one
-            err.print("no rollout matched " + (", ".join(f"{k} {escape(repr(v)[:80])}" for k, v in (
+            err.print("no rollout matched " + (", ".join(f"{k} {repr(v)[:80]}" for k, v in (
                 ("--rollout", rollout), ("--run", run), ("--status", status), ("--min-reward", min_reward))
                 if v is not None) or "(none recorded under this --prefix)"))
             if out is not None:  # a file there stays as it was: an empty export must not look like a written one
-                err.print(f"no record matched the filters: no file written ({escape(str(out))} left as it was)")
+                err.print(f"no record matched the filters: no file written ({out} left as it was)")
                 raise typer.Exit(1)
         try:
             write(records, shape, fmt, out, sys.stdout.buffer)
             sys.stdout.flush()
         except OSError as exc:  # --out not writable (/proc/x, a full disk: /dev/full)
-            err.print(f"[red]cannot write {escape(str(out) if out is not None else 'to stdout')}[/red]: "
-                      f"{escape(exc.strerror or str(exc))}")
+            err.print(f"cannot write {str(out) if out is not None else 'to stdout'}: "
+                      f"{exc.strerror or str(exc)}")
             raise typer.Exit(1) from None
     except RolloutNotFound:
-        err.print(f"[red]unknown rollout {escape(repr(rollout))}[/red]")
+        err.print(f"unknown rollout {repr(rollout)}")
         raise typer.Exit(1) from None
     except ExportError as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]")
+        err.print(str(exc))
         raise typer.Exit(1) from None
     if stats.rollouts and (out is not None or stats.skipped_calls):
         skipped = ", ".join(f"{n} {k}" for k, n in stats.skipped_calls.items())
@@ -662,7 +684,7 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
     from agl_common.control import DrainTimeout, new_pause_id, pause_and_drain
 
     if not (math.isfinite(timeout) and timeout > 0):
-        err.print(f"[red]invalid --timeout[/red]: a number of seconds above 0, got {timeout!r}")
+        err.print(f"invalid --timeout: a number of seconds above 0, got {timeout!r}")
         raise typer.Exit(2)
     pause = new_pause_id()
 
@@ -674,20 +696,20 @@ def gateway_pause(timeout: float = typer.Option(60.0, help="seconds to wait for 
             await store.close()
 
     # named before it is held: a pause whose CLI is killed outright (SIGKILL) can still be ended alone
-    err.print(f"pausing: pause {pause}, waiting up to {timeout:g} s for the drain", markup=False, highlight=False)
+    err.print(f"pausing: pause {pause}, waiting up to {timeout:g} s for the drain", highlight=False)
     try:
         replicas = asyncio.run(main())
     except DrainTimeout as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]")
+        err.print(str(exc))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: withdrawn here, whatever pause_and_drain's own withdrawal did
         # (a second signal while asyncio.run cancelled its tasks cancelled that one: the pause stayed held)
         left = _withdraw_pause(redis, prefix, pause)
         if left:
             err.print(f"interrupted: pause {pause} may still be held ({left}); end it with: agl-trainer gateway "
-                      f"resume --pause {pause}", markup=False, highlight=False)
+                      f"resume --pause {pause}", highlight=False)
             raise typer.Exit(1) from None
-        err.print(f"interrupted: pause {pause} withdrawn", markup=False, highlight=False)
+        err.print(f"interrupted: pause {pause} withdrawn", highlight=False)
         raise typer.Exit(130) from None
     console.print(f"paused and drained: {len(replicas)} replica(s); pause {pause} "
                   f"(end it with: agl-trainer gateway resume --pause {pause})")
@@ -730,16 +752,16 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
     from agl_common.schemas import check_served_name
 
     if model is not None and (not model.strip() or version is None):
-        err.print("[red]--model needs a non-empty name and its --version[/red] (a missing one was published as v0)")
+        err.print("--model needs a non-empty name and its --version (a missing one was published as v0)")
         raise typer.Exit(2)
     if version is not None and model is None:
-        err.print("[red]--version needs --model[/red] (a version alone names no policy: nothing was published)")
+        err.print("--version needs --model (a version alone names no policy: nothing was published)")
         raise typer.Exit(2)
     try:
         if model is not None:
             check_served_name(model)  # every served name's rule (a config's model_name too)
     except ValueError as exc:
-        err.print(f"[red]--model[/red]: {escape(str(exc))}")
+        err.print(f"--model: {exc}")
         raise typer.Exit(2) from None
 
     async def main():
@@ -757,12 +779,12 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
 
     refused = asyncio.run(main())
     if refused and refused[0] == "roles":  # one --model would drop every role's adapter (their calls unrouted)
-        err.print(f"[red]the current policy has roles ({escape(printable(', '.join(refused[1].roles)))}): --model "
-                  "would drop them[/red]; resume without --model (a trainer publishes every role's adapter)")
+        err.print(f"the current policy has roles ({printable(', '.join(refused[1].roles))}): --model "
+                  "would drop them; resume without --model (a trainer publishes every role's adapter)")
         raise typer.Exit(2)
     if refused:
         held = ", ".join(printable(p) for p in refused[1]) or "none"
-        err.print(f"[red]no pause {escape(printable(pause))} is held[/red] (held now: {escape(held)}); nothing "
+        err.print(f"no pause {printable(pause)} is held (held now: {held}); nothing "
                   "was resumed")
         raise typer.Exit(2)
     console.print("resumed")
@@ -822,10 +844,10 @@ def main() -> None:
     # clean-up runs (`gateway pause` killed mid-drain left its pause held for an hour, its id never printed)
     signal.signal(signal.SIGTERM, _terminate_once)
     from agl_common.store import redis_error_line
-    from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+    from redis.exceptions import RedisError
 
     try:
         app(args=args)
-    except (RedisConnectionError, RedisTimeoutError) as exc:  # one line, not a traceback
-        err.print(f"[red]error[/red]: {escape(redis_error_line(exc))}", soft_wrap=True)
+    except RedisError as exc:  # one line, not a traceback: out of reach, refused credentials, out of memory, NOPERM
+        err.print(f"error: {redis_error_line(exc)}", soft_wrap=True)
         sys.exit(1)

@@ -10,6 +10,8 @@ gateway is resumed with that name and version, so every call from then on is ser
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
 from agl_common.schemas import served_names
-from agl_common.settings import engine_base_urls, engine_headers, redacted_url
+from agl_common.settings import ENGINE_KEY_ENV, engine_base_urls, engine_headers, printable, redacted_url
 from agl_common.store import Store
 
 from . import compute
@@ -38,26 +40,55 @@ CHECK_TIMEOUT_S = 30.0
 CHECK_BYTES_MAX = 4 << 20
 
 
-async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[int, bytes]:
-    """``GET {url}{route}``: its status and up to :data:`CHECK_BYTES_MAX` bytes of its body as sent, within
-    :data:`CHECK_TIMEOUT_S` in all (httpx's timeout bounds each read: an engine that sent its body a byte at a time
-    held a check for ever). Asks for no compression and decodes none (``aiter_raw``: a 32 KiB zstd body, or
-    ``gzip, gzip``, decoded to a gigabyte before any size check). Raises :class:`EngineError` naming the engine (its
-    URL without secrets)."""
+async def _engine_request(http: httpx.AsyncClient, method: str, url: str, route: str, json: dict | None = None,
+                          timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
+    """``{method} {url}{route}`` (``json``: the body): its status and up to :data:`CHECK_BYTES_MAX` bytes of its body
+    as sent, within ``timeout_s`` seconds in all (httpx's timeout bounds each read: an engine that sent its body a byte
+    at a time held a check, or a swap, for ever). Asks for no compression and decodes none (``aiter_raw``: a 32 KiB
+    zstd body, or ``gzip, gzip``, decoded to a gigabyte before any size check). Every request the trainer makes to an
+    engine goes through here. Raises :class:`EngineError` naming the engine (its URL without secrets)."""
     where = f"engine {redacted_url(url)}"
     try:
-        async with asyncio.timeout(CHECK_TIMEOUT_S), \
-                http.stream("GET", url + route, headers={"Accept-Encoding": "identity"}) as resp:
+        async with asyncio.timeout(timeout_s), \
+                http.stream(method, url + route, json=json, headers={"Accept-Encoding": "identity"}) as resp:
             body = bytearray()
             async for chunk in resp.aiter_raw():
                 body += chunk
                 if len(body) > CHECK_BYTES_MAX:
-                    raise EngineError(f"{where} answered GET {route} with more than {CHECK_BYTES_MAX} bytes")
+                    raise EngineError(f"{where} answered {method} {route} with more than {CHECK_BYTES_MAX} bytes")
             return resp.status_code, bytes(body)
     except TimeoutError:
-        raise EngineError(f"{where} did not answer GET {route} in {CHECK_TIMEOUT_S:g} s") from None
+        raise EngineError(f"{where} did not answer {method} {route} in {timeout_s:g} s") from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # (InvalidURL: a host httpx cannot encode, "http://☃:1")
         raise EngineError(f"{where} cannot be reached: {type(exc).__name__}") from None
+
+
+async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[int, bytes]:
+    """:func:`_engine_request` ``GET`` within :data:`CHECK_TIMEOUT_S`: the checks at start."""
+    return await _engine_request(http, "GET", url, route)
+
+
+def _answer_excerpt(body: bytes) -> str:
+    """What an error message shows of an engine's answer ``body``: its first 300 characters, decoded with
+    replacement, control characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8
+    sequences reached the terminal) and the engine's key and any ``Basic``/``Bearer`` credential masked (an engine
+    echoing the ``Authorization`` header printed the key, or the engine URL's password in base64)."""
+    text = printable(body[:1200].decode("utf-8", "replace"))
+    text = re.sub(r"(?i)\b(basic|bearer)(\s+)[A-Za-z0-9._~+/=-]+", r"\1\2***", text)  # (an echoed credential)
+    key = os.environ.get(ENGINE_KEY_ENV) or ""
+    if len(key) >= 16:  # (the key, and any cut of it 16 characters or longer: check_engine_key's rule)
+        text = re.sub(re.escape(key[:16]) + r"[A-Za-z0-9._~+/=-]*", "***", text)
+    return text[:300]
+
+
+async def _engine_post(http: httpx.AsyncClient, engine_url: str, route: str, what: str, timeout_s: float,
+                       json: dict | None = None, ok: tuple[int, ...] = (200,)) -> None:
+    """``POST {route}`` on every engine of ``engine_url`` (:func:`_engine_request`, ``timeout_s`` in all for each);
+    :class:`EngineError` ``"{what} on {engine} failed: {status} {excerpt}"`` unless each answers a status in ``ok``."""
+    for url in engine_urls(engine_url):
+        status, body = await _engine_request(http, "POST", url, route, json=json, timeout_s=timeout_s)
+        if status not in ok:
+            raise EngineError(f"{what} on {redacted_url(url)} failed: {status} {_answer_excerpt(body)}")
 
 
 async def check_reachable(engine_url: str, model: str) -> None:
@@ -110,41 +141,32 @@ def engine_urls(engine_url: str) -> list[str]:
 
 
 async def load_adapter(engine_url: str, name: str, path: Path) -> None:
-    """``POST {engine}/v1/load_lora_adapter`` on every engine (in place: a name loaded before is replaced).
-
-    ``engine_url`` may be comma-separated. Raises :class:`EngineError` unless each engine answers 200.
+    """``POST {engine}/v1/load_lora_adapter`` on every engine (in place: a name loaded before is replaced), 300 s at
+    most for each. ``engine_url`` may be comma-separated. Raises :class:`EngineError` unless each engine answers 200.
     """
     async with httpx.AsyncClient(timeout=300, headers=engine_headers()) as http:
-        for url in engine_urls(engine_url):
-            resp = await http.post(url + "/v1/load_lora_adapter",
-                                   json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
-            if resp.status_code != 200:
-                raise EngineError(f"loading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
+        await _engine_post(http, engine_url, "/v1/load_lora_adapter", f"loading adapter {name}", 300,
+                           json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
 
 
 async def reload_weights(engine_url: str, path: Path) -> None:
     """Load the full weights in ``path`` (safetensors) into every engine in place, then drop its prefix cache
     (KV computed by the old weights must not be reused): vLLM's ``reload_weights`` through
-    ``POST /collective_rpc`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``). The served model
-    name stays. Raises :class:`EngineError` unless each engine answers 200."""
+    ``POST /collective_rpc`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``), 600 s at most for each.
+    The served model name stays. Raises :class:`EngineError` unless each engine answers 200."""
     async with httpx.AsyncClient(timeout=600, headers=engine_headers()) as http:
         for url in engine_urls(engine_url):
-            resp = await http.post(url + "/collective_rpc",
-                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-            if resp.status_code != 200:
-                raise EngineError(f"reloading weights {path} on {url} failed: {resp.status_code} {resp.text[:300]}")
-            resp = await http.post(url + "/reset_prefix_cache")
-            if resp.status_code != 200:
-                raise EngineError(f"resetting the prefix cache on {url} failed: {resp.status_code} {resp.text[:300]}")
+            await _engine_post(http, url, "/collective_rpc", f"reloading weights {path}", 600,
+                               json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await _engine_post(http, url, "/reset_prefix_cache", "resetting the prefix cache", 600)
 
 
 async def unload_adapter(engine_url: str, name: str) -> None:
-    """``POST {engine}/v1/unload_lora_adapter`` on every engine; an adapter already gone is not an error."""
+    """``POST {engine}/v1/unload_lora_adapter`` on every engine, 60 s at most for each; an adapter already gone is
+    not an error."""
     async with httpx.AsyncClient(timeout=60, headers=engine_headers()) as http:
-        for url in engine_urls(engine_url):
-            resp = await http.post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
-            if resp.status_code not in (200, 404, 400):
-                raise EngineError(f"unloading adapter {name} on {url} failed: {resp.status_code} {resp.text[:300]}")
+        await _engine_post(http, engine_url, "/v1/unload_lora_adapter", f"unloading adapter {name}", 60,
+                           json={"lora_name": name}, ok=(200, 404, 400))
 
 
 async def backend_cycle(store: Store, backend, version: int, rows: list, row_advantages: list[float],

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import TrainConfig
-from .report import output_console
+from .report import output_console, progress_bars
 
 
 class PolicyNotFound(ValueError):
@@ -212,7 +212,6 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
 
     Raises ``ValueError`` for ``n < 1`` or an empty held-out split; service errors as :func:`run_training`.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .run import new_run_id
     from .tasks import load_tasks
@@ -234,8 +233,7 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
         # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
         engine, _ = start_engine(svc, cfg, console, lora=bool(policy.adapters), need_base=False)
         start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+        with progress_bars(console) as progress:
             task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)
             tag = f"{eval_dir.name}-{uuid.uuid4().hex[:4]}"
             res = asyncio.run(_evaluate(cfg, policy, heldout, n, engine, redis_url, tag,

@@ -28,7 +28,11 @@ Parquet those columns hold JSON text (``json.loads`` gives the object back); JSO
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,19 +243,22 @@ async def _rows(store: Store, rollouts: list[Rollout], cfg: TrainConfig,
 
 
 def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | None, stream=None) -> None:
-    """Write ``records`` as JSON Lines (to ``out``, else ``stream``) or as Parquet (to ``out``, required).
+    """Write ``records`` as JSON Lines (to ``out``, else ``stream``) or as Parquet (to ``out``, required). A file is
+    written whole or not at all (:func:`_replaced_whole`): a write that fails (a full disk, ``ulimit -f``) or is
+    interrupted leaves ``out`` as it was.
 
     Raises:
         ExportError: unknown format, Parquet without ``out``, or Parquet with no record (no file is written).
+        OSError: ``out`` cannot be written (``out`` left as it was).
     """
     if fmt == "jsonl":
-        f = open(out, "wb") if out is not None else stream
-        try:
+        if out is None:
+            for rec in records:
+                stream.write(orjson.dumps(rec) + b"\n")
+            return
+        with _replaced_whole(Path(out)) as tmp, open(tmp, "wb") as f:
             for rec in records:
                 f.write(orjson.dumps(rec) + b"\n")
-        finally:
-            if out is not None:
-                f.close()
         return
     if fmt != "parquet":
         raise ExportError(f"unknown format {fmt!r}; choose jsonl or parquet")
@@ -266,4 +273,37 @@ def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | 
     cols = JSON_COLUMNS[shape]
     rows = [{k: (json.dumps(v) if k in cols and v is not None else v) for k, v in rec.items()} for rec in records]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Dataset.from_list(rows).to_parquet(str(out))
+    with _replaced_whole(Path(out)) as tmp:
+        Dataset.from_list(rows).to_parquet(str(tmp))
+
+
+@contextlib.contextmanager
+def _replaced_whole(out: Path):
+    """Yield a temporary path beside ``out``; when the block ends without an error, it replaces ``out`` in one step
+    (``os.replace``, with ``out``'s mode if it existed, else the umask's); on any error or interrupt it is removed
+    and ``out`` is left as it was (an export cut by a full disk or SIGTERM had truncated the file it replaced). A
+    link is followed (its target replaced); what is no regular file (``/dev/stdout``, a FIFO) is written in place."""
+    out = Path(os.path.realpath(out))
+    try:
+        regular = stat.S_ISREG(out.stat().st_mode)
+    except FileNotFoundError:
+        regular = True
+    if not regular:
+        yield out
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name[:100]}.", suffix=".part", dir=out.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        try:
+            mode = out.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -29,7 +29,7 @@ from pathlib import Path
 from agl_common.control import resume as resume_gateway
 from agl_common.store import Store
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from . import compute
 from .algorithm.aggregate import Vocabulary
@@ -40,7 +40,7 @@ from .checkpoint import logged_metrics, save_checkpoint
 from .config import TrainConfig
 from .cycle import backend_cycle
 from .hardware import describe
-from .report import plot_curve, step_table, time_split_totals
+from .report import plot_curve, progress_bars, step_table, time_split_totals
 from .scheduler import Group, GroupScheduler, evaluate
 from .tasks import load_is_correct, load_tasks
 from .lease import TrainerLease
@@ -257,8 +257,7 @@ async def train_async(cfg: TrainConfig, run_dir: Path, console: Console, redis_u
     """
     store = Store(redis_url, cfg.prefix)
     # On a terminal: live progress bars. Otherwise (a pipe, a log): one line per event, nothing buffered.
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True, disable=not console.is_terminal)
+    progress = progress_bars(console, disable=not console.is_terminal)
     try:
         run = TrainingRun(cfg, run_dir, console, store, backend, vocab, progress)
     except BaseException:

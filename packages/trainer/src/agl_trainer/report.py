@@ -5,20 +5,37 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from agl_common.settings import printable
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .algorithm.stepstats import TIME_KEYS
 
 
-def output_console(stderr: bool = False, markup: bool = False) -> Console:
-    """The console a command prints on (stdout, or stderr if ``stderr``). Rich markup is off unless ``markup``: the
-    lines hold user text (paths, prefixes, ids, names) that Rich read as markup — an ``out_dir`` holding ``[/]`` was
-    a ``MarkupError`` traceback after a whole evaluation. A console with markup escapes what it interpolates
-    (:func:`rich.markup.escape`). Not a terminal (a pipe, a log): no wrapping or cutting at 80 columns; a line
-    stays one line (soft wrap), however long."""
+class _PlainConsole(Console):
+    """A console that prints text as it is: no Rich markup (a path, prefix, id or engine message holding ``[/]`` was
+    a ``MarkupError`` traceback), and each text's control characters but newlines and tabs escaped (an engine's or a
+    Redis server's error text with ESC or OSC-8 sequences drove the terminal)."""
+
+    def print(self, *objects, **kwargs) -> None:  # noqa: D102 - Console.print, each str made printable
+        super().print(*(printable(o, "\n\t") if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+def output_console(stderr: bool = False) -> Console:
+    """The console a command prints on (stdout, or stderr if ``stderr``): markup off, control characters escaped
+    (:class:`_PlainConsole`). Not a terminal (a pipe, a log): no wrapping or cutting at 80 columns; a line stays one
+    line (soft wrap), however long."""
     tty = (sys.stderr if stderr else sys.stdout).isatty()
-    return Console(stderr=stderr, markup=markup, **({} if tty else {"width": 250, "soft_wrap": True}))
+    return _PlainConsole(stderr=stderr, markup=False, **({} if tty else {"width": 250, "soft_wrap": True}))
+
+
+def progress_bars(console: Console, **kwargs) -> Progress:
+    """Rich progress bars on ``console`` (a description, a bar, done of total, the time elapsed) that print their
+    descriptions as they are (a ``TextColumn`` reads markup whatever its console's setting: a model name with
+    ``[/]`` was a traceback); ``kwargs`` go to :class:`rich.progress.Progress`."""
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True, **kwargs)
 
 
 #: (metrics key, column title, format) of the step table

@@ -210,7 +210,7 @@ class Services:
             return url
         exe = shutil.which("redis-server")
         if exe is None:
-            raise ServiceError(f"no Redis answers at {url} and redis-server is not installed")
+            raise ServiceError(f"no Redis answers at {redacted_url(url)} and redis-server is not installed")
         port = parts.port or 6379
         if parts.password:
             password = unquote(parts.password)
