@@ -437,3 +437,78 @@ def test_the_dashboard_on_a_port_in_use_says_so_before_announcing_anything(tmp_p
                              timeout=60)
     assert got.returncode == 1 and "cannot listen on 127.0.0.1 port" in got.stderr, (got.returncode, got.stderr)
     assert "AGL dashboard" not in got.stdout and "Traceback" not in got.stderr, (got.stdout, got.stderr)
+
+
+def test_an_export_to_a_pipe_or_a_hard_link_is_written_in_place(tmp_path, redis_url, prefix):
+    """(The fifteenth prober.) The whole-file export broke what writing in place did: ``--out /dev/stdout`` into a
+    pipe failed ("No such file or directory": the link resolved to ``pipe:[N]``), and a file with another hard link
+    was split from it. Neither is a regular file to replace: written in place, as before."""
+    import asyncio
+
+    from agl_common.schemas import CallRecord, Rollout
+    from agl_common.store import Store
+
+    async def one_call():
+        store = Store(redis_url, prefix)
+        try:
+            await store.create_rollout(Rollout(rollout_id="p1", input={}), enqueue=False)
+            await store.record_call(CallRecord(rollout_id="p1", attempt_id="0", seq=0, route="chat", request={},
+                                               response={}))
+        finally:
+            await store.close()
+
+    asyncio.run(one_call())
+    argv = [sys.executable, "-m", "agl_trainer", "rollouts", "export", "--redis", redis_url, "--prefix", prefix]
+    got = subprocess.run([*argv, "--out", "/dev/stdout"], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and json.loads(got.stdout)["rollout_id"] == "p1", (got.stdout, got.stderr)
+    (tmp_path / "a.jsonl").write_text("old\n")
+    (tmp_path / "b.jsonl").hardlink_to(tmp_path / "a.jsonl")
+    got = subprocess.run([*argv, "--out", str(tmp_path / "a.jsonl")], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text() != "old\n"
+
+
+def test_what_an_engine_echoes_of_the_credentials_it_was_sent_is_masked(monkeypatch):
+    """(The fifteenth prober.) Round 22's excerpt of a swap's answer masked the key as is and a token after
+    ``Basic``/``Bearer`` and one space: the key JSON-escaped (``\\/``), the URL's ``user:password`` base64 alone, after
+    a tab or ``%20``, and the password itself still showed. Every credential sent is masked in each form; letters of
+    any script are kept, control characters escaped."""
+    import base64
+
+    from agl_trainer.cycle import _answer_excerpt
+
+    key = "sk_live/ABCDEFGHijklmnop+QRSTUV=="
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", key)
+    url = "http://alice:S3cretPw@127.0.0.1:6397"
+    b64 = base64.b64encode(b"alice:S3cretPw").decode()
+    for echoed in (json.dumps({"e": f"denied for Bearer {key}"}).replace("/", "\\/"), f"invalid key {b64}",
+                   f"Authorization:\tBearer\t{b64}", f"authorization=Basic%20{b64}", "bad credentials alice:S3cretPw",
+                   "x sk_live%2FABCDEFGHijklmnop%2BQRSTUV%3D%3D y", key[:20]):
+        shown = _answer_excerpt(echoed.encode(), url)
+        assert "S3cretPw" not in shown and b64[:12] not in shown and "ABCDEFGH" not in shown, (echoed, shown)
+    assert _answer_excerpt("データ\u3000エラー \x1b[31m".encode(), url) == "データ\u3000エラー \\x1b[31m"
+
+
+def test_a_second_signal_ends_a_create_that_waits_on_a_silent_redis():
+    """(The fifteenth prober.) With round 22's loop that stops between two rollouts, Ctrl-C (or SIGTERM) was only
+    noted while a create waited on a Redis that does not answer: the command went on for the socket timeout (up to
+    an hour). A second signal now cuts it short: exit 130 at once, saying the last rollout may be stored in part."""
+    import signal
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(50)
+    with silent:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--input", "{}", "--n", "3",
+                                 "--redis", f"redis://127.0.0.1:{silent.getsockname()[1]}/0?socket_timeout=120"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, errs = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 30, (proc.returncode, errs[-2000:])
+    assert "interrupted: 0 of 3" in errs and "Traceback" not in errs and out == "", (out, errs)

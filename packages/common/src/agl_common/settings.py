@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 import shlex
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -81,11 +82,18 @@ SECRET_PARAM = re.compile(r"(?:^|[^a-z])(?:pass|password|passwd|pwd|secret|token
                           r"signature|credential|credentials)(?:$|[^a-z])", re.IGNORECASE)
 
 
+#: Characters that change how a terminal or an editor shows the text around them: bidirectional embeddings, overrides
+#: and isolates (U+202A-U+202E, U+2066-U+2069; "Trojan Source") and the line and paragraph separators.
+_REORDERING = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u2028\u2029")
+
+
 def printable(text: str, keep: str = "") -> str:
-    """``text`` with each non-printable character (ESC and other control codes, a lone surrogate) but those in
-    ``keep`` written as its escape (``\\x1b``), so that nothing stored by a harness, sent by an engine or a Redis
-    server, or typed by a user can drive the terminal it is shown on."""
-    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+    """``text`` with each control character (ESC and the other C0 and C1 codes), lone surrogate and bidirectional or
+    line-separating mark (:data:`_REORDERING`) but those in ``keep`` written as its escape (``\\x1b``), so that
+    nothing stored by a harness, sent by an engine or a Redis server, or typed by a user can drive the terminal it is
+    shown on. Any other character is kept as it is: letters of any script, an ideographic space, a zero-width joiner."""
+    return "".join(repr(c)[1:-1] if (unicodedata.category(c) in ("Cc", "Cs") or c in _REORDERING) and c not in keep
+                   else c for c in text)
 
 
 def redacted_url(url: str) -> str:

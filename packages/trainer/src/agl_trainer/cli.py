@@ -427,10 +427,18 @@ def rollouts_create(
     async def main():
         # Ctrl-C or SIGTERM ends the loop between two rollouts, never inside one: a rollout is stored, indexed and
         # queued in steps (its record and the experiment's keys lie in two hash slots), and one cut between them
-        # was stored `queuing` in no queue: never run, never listed, its id taken
+        # was stored `queuing` in no queue: never run, never listed, its id taken. A second signal (a Redis that does
+        # not answer holds one create up to its socket timeout) cuts the create short: the user's way to force.
         loop, before = asyncio.get_running_loop(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        task = asyncio.current_task()
+
+        def on_signal(sig):
+            stop.append(sig)
+            if len(stop) > 1:
+                task.cancel()
+
         for sig in before:
-            loop.add_signal_handler(sig, stop.append, sig)
+            loop.add_signal_handler(sig, on_signal, sig)
         store = _store(redis, prefix)
         try:
             for rid in ids:
@@ -447,21 +455,28 @@ def rollouts_create(
 
     from redis.exceptions import RedisError
 
+    failed = None
     try:
         asyncio.run(main())
     except (ValueError, RedisError) as exc:
-        for rid in created:  # queued already: the user must know them (to run or clean them up)
-            console.print(rid)
-        line = redis_error_line(exc) if isinstance(exc, RedisError) else str(exc)
-        err.print(f"{line}" + (f" ({len(created)} rollout(s) created before it and queued: printed above)"
-                               if created else ""), soft_wrap=True)
-        raise typer.Exit(1) from None
-    for rid in created:
-        console.print(rid)
+        failed = redis_error_line(exc) if isinstance(exc, RedisError) else str(exc)
+    except asyncio.CancelledError:  # (a second signal)
+        pass
+    # every id created is printed, whatever signal comes now: queued already, the user must know them (to run or
+    # clean them up); printing thousands took long enough for a signal to cut the list short
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.stdout.write("".join(f"{rid}\n" for rid in created))  # (checked ids: nothing to escape)
+    sys.stdout.flush()
     if stop:
         err.print(f"interrupted: {len(created)} of {len(ids)} rollout(s) created and queued (printed above), the "
-                  "rest not created")
+                  "rest not created" + (" (the last one may be stored in part: cut short by a second signal)"
+                                        if len(stop) > 1 else ""))
         raise typer.Exit(130)
+    if failed is not None:
+        err.print(failed + (f" ({len(created)} rollout(s) created before it and queued: printed above)"
+                            if created else ""), soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @rollouts_app.command("list")

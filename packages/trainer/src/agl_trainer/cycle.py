@@ -10,11 +10,13 @@ gateway is resumed with that name and version, so every call from then on is ser
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
@@ -68,17 +70,26 @@ async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[in
     return await _engine_request(http, "GET", url, route)
 
 
-def _answer_excerpt(body: bytes) -> str:
-    """What an error message shows of an engine's answer ``body``: its first 300 characters, decoded with
-    replacement, control characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8
-    sequences reached the terminal) and the engine's key and any ``Basic``/``Bearer`` credential masked (an engine
-    echoing the ``Authorization`` header printed the key, or the engine URL's password in base64)."""
-    text = printable(body[:1200].decode("utf-8", "replace"))
-    text = re.sub(r"(?i)\b(basic|bearer)(\s+)[A-Za-z0-9._~+/=-]+", r"\1\2***", text)  # (an echoed credential)
-    key = os.environ.get(ENGINE_KEY_ENV) or ""
-    if len(key) >= 16:  # (the key, and any cut of it 16 characters or longer: check_engine_key's rule)
-        text = re.sub(re.escape(key[:16]) + r"[A-Za-z0-9._~+/=-]*", "***", text)
-    return text[:300]
+def _answer_excerpt(body: bytes, url: str) -> str:
+    """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
+    replacement, every credential the trainer sent it masked wherever the engine echoed it — the engine key
+    (``AGL_UPSTREAM_KEY``, and any cut of it 16 characters or longer), the URL's password and its ``user:password`` as
+    httpx sends it (``Basic`` base64), each as is, JSON-escaped (``\\/``) or URL-encoded, and any token after
+    ``Basic``/``Bearer`` — then control characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or
+    OSC-8 sequences reached the terminal)."""
+    text = body[:1200].decode("utf-8", "replace")
+    parts = urlsplit(url)
+    secrets = [os.environ.get(ENGINE_KEY_ENV) or ""]
+    if parts.password:
+        user, password = unquote(parts.username or ""), unquote(parts.password)
+        secrets += [password, base64.b64encode(f"{user}:{password}".encode()).decode()]
+    for secret in filter(None, secrets):
+        for form in {secret, secret.replace("/", "\\/"), quote(secret, safe="")}:
+            text = text.replace(form, "***")
+            if len(form) >= 16:  # (a cut of 16 characters or longer: check_engine_key's rule for what is masked)
+                text = re.sub(re.escape(form[:16]) + r"\S*", "***", text)
+    text = re.sub(r"(?i)\b(basic|bearer)(\s+|%20|\+)[A-Za-z0-9._~+/=%-]+", r"\1\2***", text)
+    return printable(text)[:300]
 
 
 async def _engine_post(http: httpx.AsyncClient, engine_url: str, route: str, what: str, timeout_s: float,
@@ -88,7 +99,7 @@ async def _engine_post(http: httpx.AsyncClient, engine_url: str, route: str, wha
     for url in engine_urls(engine_url):
         status, body = await _engine_request(http, "POST", url, route, json=json, timeout_s=timeout_s)
         if status not in ok:
-            raise EngineError(f"{what} on {redacted_url(url)} failed: {status} {_answer_excerpt(body)}")
+            raise EngineError(f"{what} on {redacted_url(url)} failed: {status} {_answer_excerpt(body, url)}")
 
 
 async def check_reachable(engine_url: str, model: str) -> None:

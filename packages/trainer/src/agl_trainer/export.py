@@ -279,30 +279,39 @@ def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | 
 
 @contextlib.contextmanager
 def _replaced_whole(out: Path):
-    """Yield a temporary path beside ``out``; when the block ends without an error, it replaces ``out`` in one step
-    (``os.replace``, with ``out``'s mode if it existed, else the umask's); on any error or interrupt it is removed
-    and ``out`` is left as it was (an export cut by a full disk or SIGTERM had truncated the file it replaced). A
-    link is followed (its target replaced); what is no regular file (``/dev/stdout``, a FIFO) is written in place."""
-    out = Path(os.path.realpath(out))
+    """Yield the path to write ``out``'s new content to: a temporary file beside it that replaces it in one step
+    (``os.replace``, with ``out``'s mode if it existed, else the umask's) when the block ends without an error, and is
+    removed on any error or interrupt, ``out`` left as it was (an export cut by a full disk or SIGTERM had truncated
+    the file it replaced). ``out`` itself (written in place, as before) where replacing it would change what it is:
+    no regular file (``/dev/stdout``, a pipe, a FIFO), a file with other hard links, a folder this user may not
+    create files in. An existing ``out`` this user may not write is refused (``PermissionError``) as opening it
+    would be; a link is followed (its target replaced)."""
     try:
-        regular = stat.S_ISREG(out.stat().st_mode)
+        st = os.stat(out)
     except FileNotFoundError:
-        regular = True
-    if not regular:
+        st = None
+    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
         yield out
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name[:100]}.", suffix=".part", dir=out.parent)
+    if st is not None:
+        os.close(os.open(out, os.O_WRONLY))  # (a read-only file: PermissionError, as `open(out, "wb")` gave)
+    target = Path(os.path.realpath(out))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:100]}.", suffix=".part", dir=target.parent)
+    except PermissionError:  # (a folder with no room for a file of this user's: in place, as before)
+        yield out
+        return
     os.close(fd)
     try:
         yield Path(tmp)
-        try:
-            mode = out.stat().st_mode & 0o7777
-        except FileNotFoundError:
+        if st is not None:
+            mode = st.st_mode & 0o7777
+        else:
             umask = os.umask(0)
             os.umask(umask)
             mode = 0o666 & ~umask
         os.chmod(tmp, mode)
-        os.replace(tmp, out)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
