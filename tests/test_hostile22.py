@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import json
 import subprocess
 import sys
@@ -24,6 +25,25 @@ def _eval_config(tmp_path: Path, redis_url: str, prefix: str, **fields) -> Path:
            "rollout_timeout_s": 60, **fields}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     return tmp_path / "eval.yaml"
+
+
+def _stored_call(redis_url: str, prefix: str, rollout_id: str) -> None:
+    """Store rollout ``rollout_id`` (not queued) with one recorded call: something for ``rollouts export``."""
+    import asyncio
+
+    from agl_common.schemas import CallRecord, Rollout
+    from agl_common.store import Store
+
+    async def main():
+        store = Store(redis_url, prefix)
+        try:
+            await store.create_rollout(Rollout(rollout_id=rollout_id, input={}), enqueue=False)
+            await store.record_call(CallRecord(rollout_id=rollout_id, attempt_id="0", seq=0, route="chat", request={},
+                                               response={}))
+        finally:
+            await store.close()
+
+    asyncio.run(main())
 
 
 def test_redis_url_values_redis_py_takes_as_given_are_refused_in_one_line():
@@ -105,6 +125,7 @@ def test_an_evaluation_on_an_engine_serving_another_model_stops_at_start(tmp_pat
         config = _eval_config(tmp_path, redis_url, prefix, engine_url=engine.url)
         res = CliRunner().invoke(app, ["eval", str(config), "--json"])
     assert res.exit_code == 1 and "does not serve 'smollm2'" in res.output and "qwen-other" in res.output, res.output
+    assert "--served-model-name smollm2" in res.output, res.output  # (demo has no model_name to set: serve it so)
     assert not list((tmp_path / "runs").glob("eval-*/eval.json")) and "accuracy" not in res.output
 
     web = FastAPI()  # the name second in the list (vLLM lists its base model, then each adapter) is served
@@ -201,10 +222,6 @@ def test_a_model_name_and_paths_holding_markup_are_printed_as_they_are(tmp_path,
     a traceback before any call; ``rollouts export --out 'o[/]d/x.jsonl'`` wrote the file, then its stderr line was a
     traceback. Every console and progress bar now prints text as it is (``report.output_console``,
     ``report.progress_bars``), the stderr console too."""
-    import asyncio
-
-    from agl_common.schemas import CallRecord, Rollout
-    from agl_common.store import Store
     from agl_trainer.cli import app
     from typer.testing import CliRunner
 
@@ -214,16 +231,7 @@ def test_a_model_name_and_paths_holding_markup_are_printed_as_they_are(tmp_path,
                              text=True, timeout=240)
     assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-3000:]
 
-    async def one_call():
-        store = Store(redis_url, prefix)
-        try:
-            await store.create_rollout(Rollout(rollout_id="m1", input={}), enqueue=False)
-            await store.record_call(CallRecord(rollout_id="m1", attempt_id="0", seq=0, route="chat", request={},
-                                               response={}))
-        finally:
-            await store.close()
-
-    asyncio.run(one_call())
+    _stored_call(redis_url, prefix, "m1")
     (tmp_path / "o[/]d").mkdir(parents=True)
     res = CliRunner().invoke(app, ["rollouts", "export", "--redis", redis_url, "--prefix", prefix, "--out",
                                    str(tmp_path / "o[/]d" / "x.jsonl")])
@@ -443,21 +451,7 @@ def test_an_export_to_a_pipe_or_a_hard_link_is_written_in_place(tmp_path, redis_
     """(The fifteenth prober.) The whole-file export broke what writing in place did: ``--out /dev/stdout`` into a
     pipe failed ("No such file or directory": the link resolved to ``pipe:[N]``), and a file with another hard link
     was split from it. Neither is a regular file to replace: written in place, as before."""
-    import asyncio
-
-    from agl_common.schemas import CallRecord, Rollout
-    from agl_common.store import Store
-
-    async def one_call():
-        store = Store(redis_url, prefix)
-        try:
-            await store.create_rollout(Rollout(rollout_id="p1", input={}), enqueue=False)
-            await store.record_call(CallRecord(rollout_id="p1", attempt_id="0", seq=0, route="chat", request={},
-                                               response={}))
-        finally:
-            await store.close()
-
-    asyncio.run(one_call())
+    _stored_call(redis_url, prefix, "p1")
     argv = [sys.executable, "-m", "agl_trainer", "rollouts", "export", "--redis", redis_url, "--prefix", prefix]
     got = subprocess.run([*argv, "--out", "/dev/stdout"], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and json.loads(got.stdout)["rollout_id"] == "p1", (got.stdout, got.stderr)
@@ -512,3 +506,51 @@ def test_a_second_signal_ends_a_create_that_waits_on_a_silent_redis():
         out, errs = proc.communicate(timeout=60)
     assert proc.returncode == 130 and time.monotonic() - t0 < 30, (proc.returncode, errs[-2000:])
     assert "interrupted: 0 of 3" in errs and "Traceback" not in errs and out == "", (out, errs)
+
+
+def test_round_22s_fixes_as_the_sixteenth_prober_found_them(monkeypatch, tmp_path, redis_url, prefix):
+    """(The sixteenth prober, on round 22's fixes.) An empty ``AGL_UPSTREAM_KEY`` passed the trainer's engine check
+    (no key) and stopped the gateway it started (a key of 0 characters): "" is no key in both now. A swap's excerpt
+    showed a cut of the key other than its first 16 characters, and a URL's user part alone (a token) with its
+    base64. ``?max_connections=1`` passed the URL check and left a gateway none for its calls (its control channel
+    holds one). A ``--redis`` port that is no Redis read as "Redis refused a command"."""
+    import base64
+
+    from agl_common.settings import engine_headers
+    from agl_common.store import check_redis_url
+    from agl_gateway.settings import GatewaySettings
+    from agl_trainer.cycle import _answer_excerpt
+
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", "")
+    assert engine_headers() == {} and GatewaySettings(upstream="http://127.0.0.1:1").upstream_key is None
+    key = "sk-ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789abcd"
+    monkeypatch.setenv("AGL_UPSTREAM_KEY", key)
+    shown = _answer_excerpt(f"invalid api key ...{key[3:]}; last 20: {key[-20:]}".encode(), "http://127.0.0.1:1")
+    assert "GHIJKLMNOP" not in shown and "0123456789" not in shown, shown
+    monkeypatch.delenv("AGL_UPSTREAM_KEY")
+    token = "TOKENabcdefghij0123456789"
+    shown = _answer_excerpt(f"unknown user {token!r}; got {base64.b64encode(f'{token}:'.encode()).decode()}".encode(),
+                            f"http://{token}@127.0.0.1:1")
+    assert "TOKENabc" not in shown and "VE9LRU5h" not in shown, shown
+    with pytest.raises(ValueError, match="max_connections"):
+        check_redis_url("redis://h/0?max_connections=1")
+    assert check_redis_url("redis://h/0?max_connections=2")
+    with Served(fake_upstream()) as web:
+        got = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "list", "--redis",
+                              f"redis://127.0.0.1:{web.port}/0"], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 1 and "not a Redis server" in got.stderr, got.stderr[-1000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a file of another user's")
+def test_an_export_over_another_users_file_keeps_its_owner(tmp_path, redis_url, prefix):
+    """(The sixteenth prober.) Run as root, the whole-file export replaced a user's file with root's (the user could
+    no longer write their own file; an ACL was dropped). Another user's file, or one with extended attributes, is
+    written in place as before."""
+    _stored_call(redis_url, prefix, "o1")
+    out = tmp_path / "data.jsonl"
+    out.write_text("old\n")
+    os.chown(out, 1234, 1234)
+    got = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export", "--redis", redis_url, "--prefix",
+                          prefix, "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert (out.stat().st_uid, out.stat().st_gid) == (1234, 1234) and out.read_text() != "old\n", out.read_text()

@@ -66,6 +66,7 @@ from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
     ConnectionError as RedisConnectionError,
+    InvalidResponse,
     MovedError,
     NoScriptError,
     RedisClusterException,
@@ -128,10 +129,11 @@ URL_OPTIONS = frozenset({
     "lib_name", "lib_version"})
 #: The numeric :data:`URL_OPTIONS` and the range each takes, ``(lowest, highest, whether lowest itself is taken)``,
 #: checked before redis-py reads them: it took ``inf``, ``nan``, ``0`` and ``1e300`` as given (an infinite or
-#: astronomic timeout hung every command on a silent server).
+#: astronomic timeout hung every command on a silent server; a gateway holds one connection for its control channel,
+#: so one connection in all left none for its calls).
 URL_NUMBERS = {"socket_timeout": (0, 3600, False), "socket_connect_timeout": (0, 3600, False),
                "timeout": (0, 3600, False), "health_check_interval": (0, 86400, True),
-               "max_connections": (0, 2**20, False), "socket_read_size": (0, 2**26, False)}
+               "max_connections": (2, 2**20, True), "socket_read_size": (0, 2**26, False)}
 
 
 def _lua_open_attempt(rollout: str, attempt: str) -> str:
@@ -392,6 +394,8 @@ def redis_error_line(exc: Exception) -> str:
         return f"Redis refused: {said} (--redis / AGL_REDIS_URL)"
     if isinstance(exc, AuthenticationError):
         return f"Redis refused the credentials: {said} (the user and password of --redis / AGL_REDIS_URL)"
+    if isinstance(exc, InvalidResponse):
+        return f"not a Redis server: {said} (a mistyped port? --redis / AGL_REDIS_URL)"
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         return f"Redis did not answer: {said} (is it running? --redis / AGL_REDIS_URL)"
     return (f"Redis refused a command: {said} (out of memory, a user without that permission, a read-only replica? "

@@ -82,7 +82,7 @@ class GatewaySettings(CommonSettings):
     @field_validator("upstream_key")
     @classmethod
     def _maskable_key(cls, v: str | None) -> str | None:
-        return v if v is None else check_engine_key(v)
+        return check_engine_key(v) if v else None  # ("" sends none, as the trainer's engine_headers reads it)
 
     @model_validator(mode="after")
     def _one_way_to_authenticate(self) -> "GatewaySettings":

@@ -43,13 +43,13 @@ CHECK_BYTES_MAX = 4 << 20
 
 
 async def _engine_request(http: httpx.AsyncClient, method: str, url: str, route: str, json: dict | None = None,
-                          timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
+                          timeout_s: float | None = None) -> tuple[int, bytes]:
     """``{method} {url}{route}`` (``json``: the body): its status and up to :data:`CHECK_BYTES_MAX` bytes of its body
-    as sent, within ``timeout_s`` seconds in all (httpx's timeout bounds each read: an engine that sent its body a byte
+    as sent, within ``timeout_s`` seconds in all (default :data:`CHECK_TIMEOUT_S`; httpx's timeout bounds each read: an engine that sent its body a byte
     at a time held a check, or a swap, for ever). Asks for no compression and decodes none (``aiter_raw``: a 32 KiB
     zstd body, or ``gzip, gzip``, decoded to a gigabyte before any size check). Every request the trainer makes to an
     engine goes through here. Raises :class:`EngineError` naming the engine (its URL without secrets)."""
-    where = f"engine {redacted_url(url)}"
+    where, timeout_s = f"engine {redacted_url(url)}", CHECK_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         async with asyncio.timeout(timeout_s), \
                 http.stream(method, url + route, json=json, headers={"Accept-Encoding": "identity"}) as resp:
@@ -73,21 +73,25 @@ async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[in
 def _answer_excerpt(body: bytes, url: str) -> str:
     """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
     replacement, every credential the trainer sent it masked wherever the engine echoed it — the engine key
-    (``AGL_UPSTREAM_KEY``, and any cut of it 16 characters or longer), the URL's password and its ``user:password`` as
-    httpx sends it (``Basic`` base64), each as is, JSON-escaped (``\\/``) or URL-encoded, and any token after
-    ``Basic``/``Bearer`` — then control characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or
-    OSC-8 sequences reached the terminal)."""
+    (``AGL_UPSTREAM_KEY``), the URL's user part (a token alone, or a user and its password) and its ``user:password``
+    as httpx sends it (``Basic`` base64): each whole, JSON-escaped (``\\/``) or URL-encoded, and any run of
+    characters holding 16 or more of one in a row (a cut an engine echoed: ``...last 20 characters``) — and any
+    token after ``Basic``/``Bearer``; then control characters escaped (:func:`agl_common.settings.printable`: an
+    engine's ESC or OSC-8 sequences reached the terminal)."""
     text = body[:1200].decode("utf-8", "replace")
     parts = urlsplit(url)
     secrets = [os.environ.get(ENGINE_KEY_ENV) or ""]
-    if parts.password:
-        user, password = unquote(parts.username or ""), unquote(parts.password)
-        secrets += [password, base64.b64encode(f"{user}:{password}".encode()).decode()]
-    for secret in filter(None, secrets):
-        for form in {secret, secret.replace("/", "\\/"), quote(secret, safe="")}:
-            text = text.replace(form, "***")
-            if len(form) >= 16:  # (a cut of 16 characters or longer: check_engine_key's rule for what is masked)
-                text = re.sub(re.escape(form[:16]) + r"\S*", "***", text)
+    if parts.username is not None or parts.password is not None:
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        secrets += [user, password, base64.b64encode(f"{user}:{password}".encode()).decode()]
+    forms = {form for secret in filter(None, secrets)
+             for form in (secret, secret.replace("/", "\\/"), quote(secret, safe=""))}
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, "***")
+    cuts = {form[i:i + 16] for form in forms for i in range(len(form) - 15)}
+    if cuts:
+        text = re.sub(r"[^\s\"'<>]{16,}", lambda m: "***" if any(m[0][i:i + 16] in cuts
+                                                                  for i in range(len(m[0]) - 15)) else m[0], text)
     text = re.sub(r"(?i)\b(basic|bearer)(\s+|%20|\+)[A-Za-z0-9._~+/=%-]+", r"\1\2***", text)
     return printable(text)[:300]
 
@@ -128,7 +132,7 @@ async def check_reachable(engine_url: str, model: str) -> None:
                 listed = ", ".join(repr(n[:80]) for n in names[:5]) + (", ..." if len(names) > 5 else "")
                 raise EngineError(f"engine {redacted_url(url)} does not serve {model!r} (it lists "
                                   f"{listed or 'no usable name'}): set model_name to the name the engine serves its "
-                                  "base model as")
+                                  f"base model as, or serve it as {model!r} (vLLM: --served-model-name {model})")
 
 
 async def check_engine(engine_url: str, serving: str) -> None:

@@ -277,20 +277,30 @@ def write(records: list[dict[str, Any]], shape: Shape, fmt: Format, out: Path | 
         Dataset.from_list(rows).to_parquet(str(tmp))
 
 
+def _has_xattrs(path: Path) -> bool:
+    """Whether ``path`` has extended attributes (an ACL among them); ``False`` where they cannot be listed."""
+    try:
+        return bool(os.listxattr(path))
+    except (OSError, AttributeError):
+        return False
+
+
 @contextlib.contextmanager
 def _replaced_whole(out: Path):
     """Yield the path to write ``out``'s new content to: a temporary file beside it that replaces it in one step
     (``os.replace``, with ``out``'s mode if it existed, else the umask's) when the block ends without an error, and is
     removed on any error or interrupt, ``out`` left as it was (an export cut by a full disk or SIGTERM had truncated
     the file it replaced). ``out`` itself (written in place, as before) where replacing it would change what it is:
-    no regular file (``/dev/stdout``, a pipe, a FIFO), a file with other hard links, a folder this user may not
-    create files in. An existing ``out`` this user may not write is refused (``PermissionError``) as opening it
+    no regular file (``/dev/stdout``, a pipe, a FIFO), a file with other hard links, another user's file or one
+    with extended attributes (ACLs: a root export took a user's file and dropped its ACL), a folder this user may
+    not create files in. An existing ``out`` this user may not write is refused (``PermissionError``) as opening it
     would be; a link is followed (its target replaced)."""
     try:
         st = os.stat(out)
     except FileNotFoundError:
         st = None
-    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
+    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid()
+                           or _has_xattrs(out)):
         yield out
         return
     if st is not None:
