@@ -402,11 +402,12 @@ def test_a_missing_redis_server_is_named_without_the_password(monkeypatch, tmp_p
     assert "topsecretpw" not in str(got.value) and "redis-server is not installed" in str(got.value), got.value
 
 
-def test_rollouts_create_interrupted_stops_between_two_rollouts_and_says_which(redis_url, prefix):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_rollouts_create_interrupted_stops_between_two_rollouts_and_says_which(sig, redis_url, prefix):
     """(The thirteenth prober.) ``rollouts create --n 100000`` stopped by SIGTERM could cut a rollout between its
     record and its queue entry (stored ``queuing``, in no queue and no index: never run, never listed, its id
     taken), and printed none of the ids it had created. It now stops between two rollouts, prints each one created
-    and says how many, exit 130."""
+    and says how many, exit 130. (The seventeenth prober: SIGHUP, a terminal closing, ended it with no id printed.)"""
     import signal
     import time
 
@@ -420,7 +421,7 @@ def test_rollouts_create_interrupted_stops_between_two_rollouts_and_says_which(r
     while not list(r.scan_iter(f"{prefix}rollout:*", count=1000)) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, sig))
     out, errs = proc.communicate(timeout=60)
     records = sum(1 for _ in r.scan_iter(f"{prefix}rollout:*", count=1000))
     ids = out.split()
@@ -554,3 +555,89 @@ def test_an_export_over_another_users_file_keeps_its_owner(tmp_path, redis_url, 
                           prefix, "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr
     assert (out.stat().st_uid, out.stat().st_gid) == (1234, 1234) and out.read_text() != "old\n", out.read_text()
+
+
+def test_round_22s_fixes_as_the_seventeenth_prober_found_them(monkeypatch, tmp_path, redis_url, prefix):
+    """(The seventeenth prober.) The gateway's and the controller's own messages and log lines printed a Redis
+    server's error text and a typed URL with their terminal escapes (the trainer's were escaped); a Redis password
+    holding ``/`` or ``?`` unescaped was printed whole and left readable in ``/proc`` (``urlsplit`` reads it as the
+    path); a password the engine echoed JSON-escaped beyond ``\\/`` (``\\u00e4``, ``\\"``) was shown; ``?protocol=3``
+    passed the URL check, and the Store's stream reads broke on RESP3's shapes."""
+    import logging
+
+    from agl_common.proc_secrets import argv_secrets
+    from agl_common.settings import printable_log_records, redacted_url
+    from agl_common.store import check_redis_url
+    from agl_trainer.cycle import _answer_excerpt
+
+    evil = b"-ERR \x1b]8;;http://evil/\x07CLICK\x1b]8;;\x07 \x1b[2J\x1b[31mRED\r\n"
+    port, stop = _fake_redis(evil)
+    proc = subprocess.Popen([sys.executable, "-m", "agl_gateway", "serve", "--upstream", "http://127.0.0.1:9/v1",
+                             "--open", "--port", "0", "--redis", f"redis://127.0.0.1:{port}/0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # (it goes on, logging each refusal: its log lines are read for 15 s)
+        out, errs = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, errs = proc.communicate(timeout=60)
+    finally:
+        stop()
+    assert "\x1b" not in out + errs and "\\x1b]8;;http://evil/" in errs, errs[-1500:]
+    typed = "redis://127.0.0.1:1/0?client_name=\x1b]8;;http://evil/\x07CLICK&socket_timeout=inf"
+    got = subprocess.run([sys.executable, "-m", "agl_controller", "run", "--command", "true", "--redis", typed],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 2 and "\x1b" not in got.stderr and "bad Redis URL" in got.stderr, got.stderr
+    printable_log_records()
+    record = logging.getLogger("agl.test").makeRecord("agl.test", logging.WARNING, __file__, 1, "lost (%s)",
+                                                      ("\x1b[2Jx",), None)
+    assert record.getMessage() == "lost (\\x1b[2Jx)"
+    for url in ("redis://:Zk8q/Pw+Xy3vR9sT@127.0.0.1:6398/0", "http://u:pa/ss@e:8000", "redis://:ab?cd@h:6379/0"):
+        assert "Pw+Xy3" not in redacted_url(url) and "pa/ss" not in redacted_url(url) and "ab?cd" not in redacted_url(url)
+        assert argv_secrets(["--redis", url]) == [url]
+    assert redacted_url("http://u:pw@h/x") == "http://u:***@h/x" and redacted_url("redis://h:1/0") == "redis://h:1/0"
+    for password in ("p%C3%A4ssw%C3%B6rd-s%C3%ABcret-9281", "correct%22horse%22battery%22staple"):
+        from urllib.parse import unquote
+
+        echoed = json.dumps({"detail": f"refused credentials operator:{unquote(password)}"}).encode()
+        assert _answer_excerpt(echoed, f"http://operator:{password}@127.0.0.1:1") == \
+            '{"detail": "refused credentials ***:***"}'
+    for url in ("redis://h/0?protocol=3", "redis://h/0?protocol=2&protocol=3"):
+        with pytest.raises(ValueError, match="protocol takes 2"):
+            check_redis_url(url)
+    assert check_redis_url("redis://h/0?protocol=2")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a group this process is not in")
+def test_an_export_keeps_the_group_of_the_file_it_replaces(tmp_path, redis_url, prefix):
+    """(The seventeenth prober.) The whole-file export gave the new file this process's group: a file shared by a
+    group (``root:staff``, 664) lost the group's write access. The new file gets the old one's owner and group."""
+    _stored_call(redis_url, prefix, "g1")
+    out = tmp_path / "data.jsonl"
+    out.write_text("old\n")
+    os.chown(out, 0, 50)
+    out.chmod(0o664)
+    got = subprocess.run([sys.executable, "-m", "agl_trainer", "rollouts", "export", "--redis", redis_url, "--prefix",
+                          prefix, "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert (out.stat().st_uid, out.stat().st_gid, out.stat().st_mode & 0o777) == (0, 50, 0o664)
+
+
+def test_a_late_empty_field_keeps_the_message_the_agent_was_sent():
+    """(The seventeenth prober.) After round 22's rule (a non-empty field after a stream's finish is an error), a
+    late empty one (``function_call: {}``, ``annotations: []``) passed and replaced the recorded value: the record
+    read ``function_call: {}`` while the agent had the whole call. An empty object or list merges as nothing."""
+    from agl_gateway.capture import StreamCapture
+
+    def chunk(delta, ids, finish=None):
+        return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+            {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": [
+                {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []} for _ in ids]}}]}
+
+    cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+    cap.cap.prompt_token_ids = [1, 2]
+    call = {"name": "lookup", "arguments": "{}"}
+    cap.feed(chunk({"role": "assistant", "content": "", "function_call": call, "annotations": [{"a": 1}]}, [5, 6],
+                   "function_call"))
+    cap.feed(chunk({"function_call": {}, "annotations": []}, []))
+    message = cap.result()[1]["choices"][0]["message"]
+    assert message["function_call"] == call and message["annotations"] == [{"a": 1}], message

@@ -96,12 +96,35 @@ def printable(text: str, keep: str = "") -> str:
                    else c for c in text)
 
 
+def printable_log_records() -> None:
+    """From now on, every log record of this process has its message made printable (:func:`printable`, newlines and
+    tabs kept), whatever logger and handler writes it: a gateway's or a controller's log lines carried a Redis
+    server's error text with its terminal escapes. Calling it again changes nothing."""
+    import logging
+
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "agl_printable", False):
+        return
+
+    def make(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        try:
+            record.msg, record.args = printable(record.getMessage(), "\n\t"), ()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not fit its format: left to logging's report
+            pass
+        return record
+
+    make.agl_printable = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(make)
+
+
 def redacted_url(url: str) -> str:
     """``url`` as it may be shown (logs, pages, messages, a run's files): a password in it replaced by ``***``,
     in the user part (``redis://:pw@h:6379/0`` → ``redis://:***@h:6379/0``) or a query parameter whose name says
     it holds a secret (:data:`SECRET_PARAM`: ``?password=pw`` → ``?password=***``, ``?api_key=``, ``?token=``...).
     Every place that prints a Redis, engine or gateway URL uses this (or :func:`redacted_urls` for a
     comma-separated list)."""
+    url = printable(url)  # (shown: a URL typed or stored with terminal escapes must not drive the terminal)
     try:
         parts = urlsplit(url)
         query = parse_qsl(parts.query, keep_blank_values=True)
@@ -109,6 +132,8 @@ def redacted_url(url: str) -> str:
         return "<unparseable URL>"
     if not parts.netloc and "@" in url:  # no scheme (``user:pw@host:8080``): nothing before the @ is shown
         return "***@" + url.rpartition("@")[2]
+    if "@" not in parts.netloc and "@" in url.partition("://")[2]:  # a password holding "/", "?" or "#" unescaped
+        return url.partition("://")[0] + "://***@" + url.rpartition("@")[2]  # (read as a path: shown whole)
 
     def secret(name: str) -> bool:  # camelCase split into words: accessToken -> access_Token
         return bool(SECRET_PARAM.search(re.sub(r"([a-z])([A-Z])", r"\1_\2", name)))

@@ -430,6 +430,8 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     if changes_replies:  # the Store reads bytes in redis-py's RESP2 shapes; decoded replies broke every command
         raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{', ?'.join(changes_replies)} changes what Redis "
                          "replies look like; AGL sets that itself")
+    if any(v != "2" for v in query.get("protocol", [])):  # (RESP3 replies broke the Store's stream reads)
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: ?protocol takes 2 only (AGL reads RESP2 replies)")
     unknown = sorted(set(query) - URL_OPTIONS - REPLY_OPTIONS) if parts.scheme not in CLUSTER_SCHEMES else []
     if unknown:
         raise ValueError(f"bad Redis URL {redacted_url(url)}: ?{', ?'.join(unknown)} is no option AGL takes (it "

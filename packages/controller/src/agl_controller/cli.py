@@ -93,6 +93,14 @@ def _csv(text: str | None) -> list[str]:
     return [m.strip() for m in (text or "").split(",") if m.strip()]
 
 
+
+def _say(text: str) -> None:
+    """One message on stderr, its control characters but newlines escaped (:func:`agl_common.settings.printable`: a
+    Redis server's error text or a user's URL held terminal escapes)."""
+    from agl_common.settings import printable
+
+    typer.echo(printable(text, "\n"), err=True)
+
 @app.callback()
 def _main() -> None:
     """AGL controller."""
@@ -150,9 +158,11 @@ def run(
                                                              "default: the rollouts now queued in Redis"),
 ) -> None:
     """Run queued rollouts until SIGINT/SIGTERM."""
+    from agl_common.settings import printable_log_records
     from agl_common.store import Store, check_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    printable_log_records()  # (a Redis server's or a harness's text in a log line drives no terminal)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (its INFO lines print each request's URL, secrets too)
     # the admin key and the Redis URL (with its password) live on in this process's memory only (read into the
     # options above): no child (a harness, a forkserver started again, a process a reward or preload module starts
@@ -188,29 +198,28 @@ def run(
         if controller_id is not None:
             check_controller_id(controller_id)
         for line in check_mode_options(ctx, mode):
-            typer.echo(line, err=True)
+            _say(line)
         if not dry_run:
             check_gateway_key(gateway, key)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        _say(f"error: {exc}")
         raise typer.Exit(2) from None
     if reward_fn_always and not reward_fn:
-        typer.echo("error: --reward-fn-always needs --reward-fn", err=True)
+        _say("error: --reward-fn-always needs --reward-fn")
         raise typer.Exit(2)
     common = dict(reward_fn=reward_fn, max_attempts=max_attempts, retry_on=retry, controller_id=controller_id,
                   lease_ttl_s=lease_ttl, reward_fn_always=reward_fn_always)
     if mode == "local":
         if not command:
-            typer.echo("--command is required in local mode", err=True)
+            _say("--command is required in local mode")
             raise typer.Exit(2)
         if dry_run:
-            typer.echo("--dry-run renders Kubernetes Jobs: it needs --mode k8s (a local run would take the queue)",
-                       err=True)
+            _say("--dry-run renders Kubernetes Jobs: it needs --mode k8s (a local run would take the queue)")
             raise typer.Exit(2)
         try:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            typer.echo(f"--log-dir {log_dir}: {exc.strerror or exc}", err=True)
+            _say(f"--log-dir {log_dir}: {exc.strerror or exc}")
             raise typer.Exit(2) from None
         from .local import passed_env
         from .spawn import Launcher, check_user_runs, harness_users
@@ -218,35 +227,35 @@ def run(
         try:
             passed_env({}, _csv(pass_env))
         except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            _say(f"error: {exc}")
             raise typer.Exit(2) from None
         if run_as is not None:
             try:
                 for user in harness_users(run_as, concurrency):
                     check_user_runs(user, shlex.split(command), os.getcwd())
             except LaunchError as exc:
-                typer.echo(f"--{exc}", err=True)
+                _say(f"--{exc}")
                 raise typer.Exit(2) from None
 
         try:  # checked before anything starts: a command preload cannot fork is a usage error
             Launcher(shlex.split(command), _csv(preload))
         except LaunchError as exc:
-            typer.echo(f"--preload: {exc}", err=True)
+            _say(f"--preload: {exc}")
             raise typer.Exit(2) from None
     elif mode == "k8s":
         if not template:
-            typer.echo("--template is required in k8s mode", err=True)
+            _say("--template is required in k8s mode")
             raise typer.Exit(2)
         try:
             with open(template) as f:
                 template_text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            typer.echo(f"--template {template}: {exc}", err=True)
+            _say(f"--template {template}: {exc}")
             raise typer.Exit(2) from None
         try:  # a template that does not parse would fail every rollout as template_error
             ImmutableSandboxedEnvironment().parse(template_text)
         except jinja2.TemplateSyntaxError as exc:
-            typer.echo(f"--template {template}: line {exc.lineno}: {exc.message}", err=True)
+            _say(f"--template {template}: line {exc.lineno}: {exc.message}")
             raise typer.Exit(2) from None
         if dry_run:
             with one_line_errors():
@@ -254,7 +263,7 @@ def run(
                                 prefix, redis, inputs or [], input_templates)
             raise typer.Exit(code)
     else:
-        typer.echo(f"unknown mode {mode!r}: use local or k8s", err=True)
+        _say(f"unknown mode {mode!r}: use local or k8s")
         raise typer.Exit(2)
 
     async def main() -> None:
@@ -299,10 +308,10 @@ def one_line_errors() -> Iterator[None]:
     except RedisError as exc:
         from agl_common.store import redis_error_line
 
-        typer.echo(f"error: {redis_error_line(exc)}", err=True)
+        _say(f"error: {redis_error_line(exc)}")
         raise typer.Exit(1) from None
     except (ControllerIdLive, NoCluster, LaunchError) as exc:  # (LaunchError: run-as users another controller holds)
-        typer.echo(f"error: {exc}", err=True)
+        _say(f"error: {exc}")
         raise typer.Exit(2) from None
 
 
@@ -327,7 +336,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
         try:
             rollouts = [Rollout(rollout_id=f"dry-run-{i}", input=parse_input(raw)) for i, raw in enumerate(inputs)]
         except ValueError as exc:  # not strict JSON, not an object (as `rollouts create --input` refuses it)
-            typer.echo(f"--input: {str(exc).splitlines()[0]}", err=True)
+            _say(f"--input: {str(exc).splitlines()[0]}")
             return 2
     else:
         from agl_common.store import Store
@@ -346,7 +355,7 @@ def _dry_run(template_text: str, gateway: str, model: str, key: str | None, name
         try:
             manifest = renderer.render(rollout)
         except ValueError as exc:
-            typer.echo(f"# rollout {rollout.rollout_id}: {exc}", err=True)
+            _say(f"# rollout {rollout.rollout_id}: {exc}")
             code = 1
             continue
         typer.echo("---\n" + yaml.safe_dump(manifest, sort_keys=False), nl=False)

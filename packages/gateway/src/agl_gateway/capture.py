@@ -482,7 +482,8 @@ class StreamCapture:
             if delta.get("role", "assistant") not in ("assistant", None):
                 raise MalformedUpstream(f"'delta.role' is {delta['role']!r:.30}, not 'assistant'")
             for name, value in delta.items():  # strings are pieces of one field (reasoning); others: the last one
-                if name in ("role", "content", "tool_calls") or value is None:
+                if name in ("role", "content", "tool_calls") or value is None or (
+                        value in ({}, []) and name in self.other):  # (an empty one replaced what the agent was sent)
                     continue
                 if name in TEXT_FIELDS and not isinstance(value, str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")

@@ -16,6 +16,14 @@ app = typer.Typer(add_completion=False, help="AGL gateway: an OpenAI-compatible 
 _D = GatewaySettings.model_fields
 
 
+
+def _say(text: str) -> None:
+    """One message on stderr, its control characters but newlines escaped (:func:`agl_common.settings.printable`: a
+    Redis server's error text or a user's URL held terminal escapes)."""
+    from agl_common.settings import printable
+
+    typer.echo(printable(text, "\n"), err=True)
+
 @app.callback()
 def _main() -> None:
     """AGL gateway."""
@@ -53,7 +61,11 @@ def serve(
 
     from agl_common.store import StoreRefused
 
+    from agl_common.settings import printable_log_records
+
     from .app import ReplicaIdLive, create_app
+
+    printable_log_records()  # (a Redis server's or an engine's text in a log line drives no terminal)
 
     try:
         settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,
@@ -63,12 +75,12 @@ def serve(
                                    max_in_flight_per_attempt=max_in_flight_per_attempt, otel=otel)
     except ValidationError as exc:
         errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
-        typer.echo(f"error: invalid gateway settings: {errors}", err=True)
+        _say(f"error: invalid gateway settings: {errors}")
         raise typer.Exit(2) from None
     try:  # (the app's start-up checks again: for apps made in-process; this is the CLI's one-line refusal)
         asyncio.run(_claim(settings))
     except (ReplicaIdLive, StoreRefused) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        _say(f"error: {exc}")
         raise typer.Exit(2) from None
     run_server(create_app(settings), host=host, port=port, log_level=log_level)
 

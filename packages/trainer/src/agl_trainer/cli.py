@@ -388,6 +388,10 @@ def ui(redis: str = RedisOpt, prefix: str = PrefixOpt,
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
+#: What ends `rollouts create` between two rollouts: Ctrl-C, a supervisor's SIGTERM, the terminal closing (SIGHUP).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @rollouts_app.command("create")
 def rollouts_create(
     input_json: str = typer.Option(..., "--input", help="the rollout's input, as a JSON object"),
@@ -429,7 +433,7 @@ def rollouts_create(
         # queued in steps (its record and the experiment's keys lie in two hash slots), and one cut between them
         # was stored `queuing` in no queue: never run, never listed, its id taken. A second signal (a Redis that does
         # not answer holds one create up to its socket timeout) cuts the create short: the user's way to force.
-        loop, before = asyncio.get_running_loop(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        loop, before = asyncio.get_running_loop(), {s: signal.getsignal(s) for s in STOP_SIGNALS}
         task = asyncio.current_task()
 
         def on_signal(sig):
@@ -464,7 +468,7 @@ def rollouts_create(
         pass
     # every id created is printed, whatever signal comes now: queued already, the user must know them (to run or
     # clean them up); printing thousands took long enough for a signal to cut the list short
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     sys.stdout.write("".join(f"{rid}\n" for rid in created))  # (checked ids: nothing to escape)
     sys.stdout.flush()

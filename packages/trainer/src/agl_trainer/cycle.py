@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import re
 import time
@@ -74,8 +75,8 @@ def _answer_excerpt(body: bytes, url: str) -> str:
     """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
     replacement, every credential the trainer sent it masked wherever the engine echoed it — the engine key
     (``AGL_UPSTREAM_KEY``), the URL's user part (a token alone, or a user and its password) and its ``user:password``
-    as httpx sends it (``Basic`` base64): each whole, JSON-escaped (``\\/``) or URL-encoded, and any run of
-    characters holding 16 or more of one in a row (a cut an engine echoed: ``...last 20 characters``) — and any
+    as httpx sends it (``Basic`` base64): each whole, JSON-escaped (``\\u00e4``, ``\\"``, ``\\/``) or URL-encoded,
+    and any run of characters holding 16 or more of one in a row (a cut an engine echoed: ``...last 20 characters``) — and any
     token after ``Basic``/``Bearer``; then control characters escaped (:func:`agl_common.settings.printable`: an
     engine's ESC or OSC-8 sequences reached the terminal)."""
     text = body[:1200].decode("utf-8", "replace")
@@ -84,8 +85,10 @@ def _answer_excerpt(body: bytes, url: str) -> str:
     if parts.username is not None or parts.password is not None:
         user, password = unquote(parts.username or ""), unquote(parts.password or "")
         secrets += [user, password, base64.b64encode(f"{user}:{password}".encode()).decode()]
-    forms = {form for secret in filter(None, secrets)
-             for form in (secret, secret.replace("/", "\\/"), quote(secret, safe=""))}
+    forms = set()
+    for secret in filter(None, secrets):
+        as_json = (json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1])
+        forms |= {secret, quote(secret, safe=""), *as_json, *(j.replace("/", "\\/") for j in as_json)}
     for form in sorted(forms, key=len, reverse=True):
         text = text.replace(form, "***")
     cuts = {form[i:i + 16] for form in forms for i in range(len(form) - 15)}

@@ -291,16 +291,15 @@ def _replaced_whole(out: Path):
     (``os.replace``, with ``out``'s mode if it existed, else the umask's) when the block ends without an error, and is
     removed on any error or interrupt, ``out`` left as it was (an export cut by a full disk or SIGTERM had truncated
     the file it replaced). ``out`` itself (written in place, as before) where replacing it would change what it is:
-    no regular file (``/dev/stdout``, a pipe, a FIFO), a file with other hard links, another user's file or one
-    with extended attributes (ACLs: a root export took a user's file and dropped its ACL), a folder this user may
-    not create files in. An existing ``out`` this user may not write is refused (``PermissionError``) as opening it
+    no regular file (``/dev/stdout``, a pipe, a FIFO), a file with other hard links or extended attributes (an ACL),
+    one whose owner and group this user cannot give the new file (another user's), a folder this user may not
+    create files in. The new file gets ``out``'s owner, group and mode. An existing ``out`` this user may not write is refused (``PermissionError``) as opening it
     would be; a link is followed (its target replaced)."""
     try:
         st = os.stat(out)
     except FileNotFoundError:
         st = None
-    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid()
-                           or _has_xattrs(out)):
+    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or _has_xattrs(out)):
         yield out
         return
     if st is not None:
@@ -312,6 +311,13 @@ def _replaced_whole(out: Path):
         yield out
         return
     os.close(fd)
+    if st is not None:
+        try:  # its owner and group (root replacing a user's file took it; a group lost its write access)
+            os.chown(tmp, st.st_uid, st.st_gid)
+        except PermissionError:  # (another user's, or a group this user is not in: in place, as before)
+            os.unlink(tmp)
+            yield out
+            return
     try:
         yield Path(tmp)
         if st is not None:
