@@ -600,7 +600,7 @@ def test_round_22s_fixes_as_the_seventeenth_prober_found_them(monkeypatch, tmp_p
 
         echoed = json.dumps({"detail": f"refused credentials operator:{unquote(password)}"}).encode()
         assert _answer_excerpt(echoed, f"http://operator:{password}@127.0.0.1:1") == \
-            '{"detail": "refused credentials ***:***"}'
+            '{"detail": "refused credentials ***"}'
     for url in ("redis://h/0?protocol=3", "redis://h/0?protocol=2&protocol=3"):
         with pytest.raises(ValueError, match="protocol takes 2"):
             check_redis_url(url)
@@ -641,3 +641,88 @@ def test_a_late_empty_field_keeps_the_message_the_agent_was_sent():
     cap.feed(chunk({"function_call": {}, "annotations": []}, []))
     message = cap.result()[1]["choices"][0]["message"]
     assert message["function_call"] == call and message["annotations"] == [{"a": 1}], message
+
+
+def test_round_22s_fixes_as_the_eighteenth_prober_found_them(monkeypatch, tmp_path):
+    """(The eighteenth prober.) Round 22's rule for a password holding ``/`` hid what lay before the *last* ``@`` of
+    any URL: the host of ``redis://h/0?client_name=a@b&password=pw`` and the masking of its query (the password
+    shown), and URLs with no user part at all (``git+https://host/agent.git@v1.2``: a run's own config.json then
+    read as hiding a secret); the URL checks still echoed the password's tail as the path or an option. A swap's
+    excerpt missed JSON escapes other encoders write (Go's ``\\u0026``, upper-case hex) and masked every ``e`` of a
+    one-letter password. A log record's traceback kept its terminal escapes. A late empty string replaced a recorded
+    object; a ``function_call`` streamed in pieces kept the last piece only. An export whose ``chown`` failed
+    otherwise than EPERM left its ``.part`` and failed."""
+    import logging
+
+    from agl_common.settings import check_http_url, printable_log_records, redacted_url
+    from agl_common.store import check_redis_url
+    from agl_gateway.capture import _accumulate
+    from agl_trainer import export
+    from agl_trainer.cycle import _answer_excerpt
+
+    assert redacted_url("redis://10.0.0.5:6379/0?client_name=a@b&password=hunter2") == \
+        "redis://10.0.0.5:6379/0?client_name=a%40b&password=***"
+    for url in ("https://github.com/org/agent.git@v1.2", "https://example.com/@user/repo", "http://[::1]:8000/x@y"):
+        assert redacted_url(url) == url
+    assert redacted_url("rediss://:ab/cd@127.0.0.1:1/0?ssl_password=keypass9") == \
+        "rediss://***@127.0.0.1:1/0?ssl_password=***"
+    for url in ("redis://:Zk8q/Pw+Xy3vR9sT@127.0.0.1:6399/0", "redis://:Zk8q?Pw+Xy3vR9sT@h:1/0",
+                "redis://:Zk8q#Pw+Xy3vR9sT@h:1/0", "redis+cluster://:Zk8q/Pw+Xy3vR9sT@h:6399"):
+        with pytest.raises(ValueError, match="percent-encode") as got:
+            check_redis_url(url)
+        assert "Pw" not in str(got.value) and "Zk8q" not in str(got.value), got.value
+    with pytest.raises(ValueError, match="percent-encode") as got:
+        check_http_url("http://user:Zk8q/Pw+Xy3vR9sT@127.0.0.1:9", "engine URL")
+    assert "Pw" not in str(got.value), got.value
+
+    go = json.dumps({"error": "bad credentials operator:Tr0ub4dor&3<x>"}).replace("&", "\\u0026").replace(
+        "<", "\\u003c").replace(">", "\\u003e")
+    assert "Tr0ub4dor" not in _answer_excerpt(go.encode(), "http://operator:Tr0ub4dor%263%3Cx%3E@127.0.0.1:1")
+    assert "ss-w" not in _answer_excerpt(b'{"e": "p\\u00E4ss-w\\u00F6rd"}', "http://o:p%C3%A4ss-w%C3%B6rd@h:1")
+    body = b'{"object":"error","message":"The model `policy` does not exist."}'
+    assert _answer_excerpt(body, "http://admin:e@127.0.0.1:8000") == body.decode()
+
+    printable_log_records()
+    try:
+        raise RuntimeError("\x1b[2Jboom")
+    except RuntimeError:
+        import sys as _sys
+        record = logging.getLogger("agl.test").makeRecord("agl.test", logging.ERROR, __file__, 1, "failed", (),
+                                                          _sys.exc_info())
+    assert "\x1b" not in logging.Formatter().format(record) and "\\x1b[2Jboom" in record.exc_text
+
+    call = {"name": "lookup", "arguments": ""}
+    assert _accumulate(_accumulate(call, {"arguments": '{"q": 1}'}), "") == {"name": "lookup", "arguments": '{"q": 1}'}
+    assert _accumulate([{"a": 1}], "") == [{"a": 1}] and _accumulate("ab", "c") == "abc"
+
+    out = tmp_path / "x.jsonl"
+    out.write_text("old\n")
+
+    def no_chown(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(export.os, "chown", no_chown)
+    export.write([{"a": 1}], "calls", "jsonl", out)
+    assert out.read_text() == '{"a":1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]
+
+
+def test_rollouts_create_under_nohup_goes_on_after_sighup(redis_url, prefix):
+    """(The eighteenth prober.) With SIGHUP among the signals that stop ``rollouts create``, ``nohup agl-trainer
+    rollouts create`` stopped on a hang-up: the handler replaced the ignored disposition nohup had set. A signal the
+    command was started ignoring stays ignored."""
+    import signal
+    import time
+
+    import redis as sync_redis
+
+    proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--redis", redis_url,
+                             "--prefix", prefix, "--input", "{}", "--n", "1500", "--id", "h"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    r = sync_redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while not list(r.scan_iter(f"{prefix}rollout:*", count=1000)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    out, errs = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and len(out.split()) == 1500, (proc.returncode, errs[-1000:])

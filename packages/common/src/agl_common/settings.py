@@ -110,12 +110,30 @@ def printable_log_records() -> None:
         record = factory(*args, **kwargs)
         try:
             record.msg, record.args = printable(record.getMessage(), "\n\t"), ()
+            if record.exc_info and not record.exc_text:  # (a traceback's last line holds the server's text)
+                record.exc_text = printable(logging.Formatter().formatException(record.exc_info), "\n\t")
+            if record.stack_info:
+                record.stack_info = printable(record.stack_info, "\n\t")
         except Exception:  # noqa: BLE001 - a record whose arguments do not fit its format: left to logging's report
             pass
         return record
 
     make.agl_printable = True  # type: ignore[attr-defined]
     logging.setLogRecordFactory(make)
+
+
+def unparsed_password(url: str) -> bool:
+    """Whether ``url``'s user part holds a password with an unescaped ``/``, ``?`` or ``#`` (base64 passwords hold
+    ``/``): ``urlsplit`` then ends the host at that character, reads ``user:pass`` as a host and a port that is no
+    number, and the rest of the password as the path or query (``redis://:ab/cd@h:6379/0``). Such a URL names no
+    server; it is refused where it is read (percent-encode the password) and shown with all of it hidden."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    host, colon, port = parts.netloc.rpartition(":")
+    return bool(parts.scheme and "@" not in parts.netloc and colon and not port.isdigit() and not port.endswith("]")
+                and "@" in url.partition("://")[2])
 
 
 def redacted_url(url: str) -> str:
@@ -132,8 +150,9 @@ def redacted_url(url: str) -> str:
         return "<unparseable URL>"
     if not parts.netloc and "@" in url:  # no scheme (``user:pw@host:8080``): nothing before the @ is shown
         return "***@" + url.rpartition("@")[2]
-    if "@" not in parts.netloc and "@" in url.partition("://")[2]:  # a password holding "/", "?" or "#" unescaped
-        return url.partition("://")[0] + "://***@" + url.rpartition("@")[2]  # (read as a path: shown whole)
+    if unparsed_password(url):  # (its user part read as a host, the rest of the password as a path: shown whole)
+        scheme, _, rest = url.partition("://")
+        return redacted_url(f"{scheme}://***@{rest.partition('@')[2]}")
 
     def secret(name: str) -> bool:  # camelCase split into words: accessToken -> access_Token
         return bool(SECRET_PARAM.search(re.sub(r"([a-z])([A-Z])", r"\1_\2", name)))
@@ -240,6 +259,9 @@ def check_http_url(url: str, what: str = "URL") -> str:
     gateway's URL: a typo there fails every later call, or every harness run, as something else)."""
     if not url.isprintable():  # (a NUL or another control character: every call then failed deep in httpx)
         raise ValueError(f"{what} {redacted_url(url)!r} holds a control character")
+    if unparsed_password(url):
+        raise ValueError(f"{what} {redacted_url(url)!r}: its password holds '/', '?' or '#': percent-encode them "
+                         "(%2F, %3F, %23)")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range

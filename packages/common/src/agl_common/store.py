@@ -94,7 +94,7 @@ from .schemas import (
     env_map_fault,
     record_fault,
 )
-from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, printable, redacted_url
+from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, check_prefix, printable, redacted_url, unparsed_password
 
 #: A gateway replica is *live* while its last heartbeat (sent every second) is younger than this (s).
 REPLICA_TTL_S = 5
@@ -424,6 +424,9 @@ def connect(url: str, max_connections: int = 512) -> aioredis.Redis | RedisClust
     connection; the cluster client raises ``MaxConnectionsError`` instead. A cluster URL must not name a
     database (Redis Cluster only has db 0): ``ValueError``.
     """
+    if unparsed_password(url):  # (every later message would show a piece of it as the path or an option)
+        raise ValueError(f"bad Redis URL {redacted_url(url)}: its password holds '/', '?' or '#': percent-encode "
+                         "them (%2F, %3F, %23)")
     parts = urlsplit(url)
     query = parse_qs(parts.query, keep_blank_values=True)
     changes_replies = sorted(REPLY_OPTIONS & set(query))

@@ -415,6 +415,22 @@ def check(cap: Captured, sent_prompt: list[int] | None = None, truncated: bool =
     return token_id_fault(cap.prompt_token_ids, cap.response_token_ids) or logprob_fault(cap.response_logprobs or [])
 
 
+def _accumulate(before: Any, piece: Any) -> Any:
+    """A stream delta's field ``piece`` merged into what came before, as the OpenAI SDK merges one
+    (``accumulate_delta``): strings are pieces of one string, objects merge key by key (a ``function_call`` streamed
+    as its name, then its arguments in pieces, kept only the last piece), anything else replaces; an empty piece
+    (``""``, ``{}``, ``[]``) changes nothing (one after the finish replaced what the agent had been sent)."""
+    if before is None:
+        return piece
+    if piece in ("", {}, []):
+        return before
+    if isinstance(before, str) and isinstance(piece, str):
+        return before + piece
+    if isinstance(before, dict) and isinstance(piece, dict):
+        return {**before, **{k: _accumulate(before.get(k), v) for k, v in piece.items() if v is not None}}
+    return piece
+
+
 class StreamCapture:
     """Accumulates a live chat stream (vLLM chunks with ``return_token_ids`` and ``logprobs`` on) into a
     :class:`Captured` and the complete ``chat.completion`` the agent was sent, and cleans each chunk for
@@ -481,16 +497,12 @@ class StreamCapture:
             self.text.append(piece)
             if delta.get("role", "assistant") not in ("assistant", None):
                 raise MalformedUpstream(f"'delta.role' is {delta['role']!r:.30}, not 'assistant'")
-            for name, value in delta.items():  # strings are pieces of one field (reasoning); others: the last one
-                if name in ("role", "content", "tool_calls") or value is None or (
-                        value in ({}, []) and name in self.other):  # (an empty one replaced what the agent was sent)
+            for name, value in delta.items():  # merged as the OpenAI SDK merges a delta (accumulate)
+                if name in ("role", "content", "tool_calls") or value is None:
                     continue
                 if name in TEXT_FIELDS and not isinstance(value, str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")
-                if isinstance(value, str) and isinstance(self.other.get(name, ""), str):
-                    self.other[name] = self.other.get(name, "") + value
-                else:
-                    self.other[name] = value
+                self.other[name] = _accumulate(self.other.get(name), value)
             for tc in _given(delta, "tool_calls", list, "'delta.tool_calls'"):
                 if not isinstance(tc, dict):
                     raise MalformedUpstream("'delta.tool_calls' is not a list of objects")

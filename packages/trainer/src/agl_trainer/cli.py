@@ -441,8 +441,8 @@ def rollouts_create(
             if len(stop) > 1:
                 task.cancel()
 
-        for sig in before:
-            loop.add_signal_handler(sig, on_signal, sig)
+        for sig in [s for s, handler in before.items() if handler is not signal.SIG_IGN]:  # (nohup's SIGHUP stays
+            loop.add_signal_handler(sig, on_signal, sig)  # ignored)
         store = _store(redis, prefix)
         try:
             for rid in ids:
@@ -453,7 +453,7 @@ def rollouts_create(
                 created.append(rid)
         finally:
             for sig, handler in before.items():
-                loop.remove_signal_handler(sig)
+                loop.remove_signal_handler(sig)  # (False for one not handled: an ignored one)
                 signal.signal(sig, handler)
             await store.close()
 
@@ -862,9 +862,11 @@ def main() -> None:
     # SIGTERM (`timeout`, systemd, a Job's end, a CI step limit) is Ctrl-C for every command: each command's own
     # clean-up runs (`gateway pause` killed mid-drain left its pause held for an hour, its id never printed)
     signal.signal(signal.SIGTERM, _terminate_once)
+    from agl_common.settings import printable_log_records
     from agl_common.store import redis_error_line
     from redis.exceptions import RedisError
 
+    printable_log_records()  # (a Redis server's text in a log line, the lease's warnings: no terminal escapes)
     try:
         app(args=args)
     except RedisError as exc:  # one line, not a traceback: out of reach, refused credentials, out of memory, NOPERM

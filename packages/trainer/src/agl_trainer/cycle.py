@@ -71,27 +71,39 @@ async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[in
     return await _engine_request(http, "GET", url, route)
 
 
+def _as_json_may_write(secret: str) -> str:
+    """A regular expression matching ``secret`` as any JSON encoder may write it: each character as is or as a
+    ``\\uXXXX`` escape (either case: Go escapes ``&<>``, Python every non-ASCII letter), ``/`` also as ``\\/``,
+    ``"`` and ``\\`` escaped."""
+    def one(c: str) -> str:
+        forms = [re.escape(c), f"\\\\u(?i:{ord(c):04x})"] if ord(c) < 0x10000 else [re.escape(c)]
+        forms += {"/": [r"\\/"], '"': [r'\\"'], "\\": [r"\\\\"]}.get(c, [])
+        return "(?:" + "|".join(forms) + ")"
+    return "".join(one(c) for c in secret)
+
+
 def _answer_excerpt(body: bytes, url: str) -> str:
     """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
     replacement, every credential the trainer sent it masked wherever the engine echoed it — the engine key
-    (``AGL_UPSTREAM_KEY``), the URL's user part (a token alone, or a user and its password) and its ``user:password``
-    as httpx sends it (``Basic`` base64): each whole, JSON-escaped (``\\u00e4``, ``\\"``, ``\\/``) or URL-encoded,
-    and any run of characters holding 16 or more of one in a row (a cut an engine echoed: ``...last 20 characters``) — and any
-    token after ``Basic``/``Bearer``; then control characters escaped (:func:`agl_common.settings.printable`: an
-    engine's ESC or OSC-8 sequences reached the terminal)."""
+    (``AGL_UPSTREAM_KEY``); the URL's password (4 characters or more), ``user:password`` and its ``Basic`` base64, or
+    its user part alone when it holds no password (a token): each as is, URL-encoded or as any JSON encoder may write
+    it (:func:`_as_json_may_write`), and any run of characters holding 16 or more of one in a row (a cut an engine
+    echoed: ``...last 20 characters``) — and any token after ``Basic``/``Bearer``; then control characters escaped
+    (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8 sequences reached the terminal). A user name
+    beside a password is not masked alone (``admin`` masked every such word)."""
     text = body[:1200].decode("utf-8", "replace")
     parts = urlsplit(url)
     secrets = [os.environ.get(ENGINE_KEY_ENV) or ""]
-    if parts.username is not None or parts.password is not None:
-        user, password = unquote(parts.username or ""), unquote(parts.password or "")
-        secrets += [user, password, base64.b64encode(f"{user}:{password}".encode()).decode()]
-    forms = set()
-    for secret in filter(None, secrets):
-        as_json = (json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1])
-        forms |= {secret, quote(secret, safe=""), *as_json, *(j.replace("/", "\\/") for j in as_json)}
-    for form in sorted(forms, key=len, reverse=True):
-        text = text.replace(form, "***")
-    cuts = {form[i:i + 16] for form in forms for i in range(len(form) - 15)}
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    if parts.password is not None:
+        secrets += [f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode(),
+                    password if len(password) >= 4 else ""]
+    elif parts.username is not None:
+        secrets += [user, base64.b64encode(f"{user}:".encode()).decode()]
+    secrets = sorted({x for x in secrets if x}, key=len, reverse=True)
+    for secret in secrets:
+        text = re.sub(_as_json_may_write(secret) + "|" + re.escape(quote(secret, safe="")), "***", text)
+    cuts = {x[i:i + 16] for x in secrets for i in range(len(x) - 15)}
     if cuts:
         text = re.sub(r"[^\s\"'<>]{16,}", lambda m: "***" if any(m[0][i:i + 16] in cuts
                                                                   for i in range(len(m[0]) - 15)) else m[0], text)

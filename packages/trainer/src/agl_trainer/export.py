@@ -314,7 +314,7 @@ def _replaced_whole(out: Path):
     if st is not None:
         try:  # its owner and group (root replacing a user's file took it; a group lost its write access)
             os.chown(tmp, st.st_uid, st.st_gid)
-        except PermissionError:  # (another user's, or a group this user is not in: in place, as before)
+        except OSError:  # (another user's, a group this user is not in, an id a user namespace cannot map: in place)
             os.unlink(tmp)
             yield out
             return
