@@ -27,6 +27,13 @@ def _eval_config(tmp_path: Path, redis_url: str, prefix: str, **fields) -> Path:
     return tmp_path / "eval.yaml"
 
 
+def _chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
+    """A vLLM-shaped chat stream chunk of one choice: ``delta``, its token ``ids`` with a logprob each, ``finish``."""
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": [
+            {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []} for _ in ids]}}]}
+
+
 def _stored_call(redis_url: str, prefix: str, rollout_id: str) -> None:
     """Store rollout ``rollout_id`` (not queued) with one recorded call: something for ``rollouts export``."""
     import asyncio
@@ -628,17 +635,12 @@ def test_a_late_empty_field_keeps_the_message_the_agent_was_sent():
     read ``function_call: {}`` while the agent had the whole call. An empty object or list merges as nothing."""
     from agl_gateway.capture import StreamCapture
 
-    def chunk(delta, ids, finish=None):
-        return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
-            {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": [
-                {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []} for _ in ids]}}]}
-
     cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
     cap.cap.prompt_token_ids = [1, 2]
     call = {"name": "lookup", "arguments": "{}"}
-    cap.feed(chunk({"role": "assistant", "content": "", "function_call": call, "annotations": [{"a": 1}]}, [5, 6],
+    cap.feed(_chunk({"role": "assistant", "content": "", "function_call": call, "annotations": [{"a": 1}]}, [5, 6],
                    "function_call"))
-    cap.feed(chunk({"function_call": {}, "annotations": []}, []))
+    cap.feed(_chunk({"function_call": {}, "annotations": []}, []))
     message = cap.result()[1]["choices"][0]["message"]
     assert message["function_call"] == call and message["annotations"] == [{"a": 1}], message
 
@@ -656,7 +658,7 @@ def test_round_22s_fixes_as_the_eighteenth_prober_found_them(monkeypatch, tmp_pa
 
     from agl_common.settings import check_http_url, printable_log_records, redacted_url
     from agl_common.store import check_redis_url
-    from agl_gateway.capture import _accumulate
+    from agl_gateway.capture import StreamCapture
     from agl_trainer import export
     from agl_trainer.cycle import _answer_excerpt
 
@@ -691,9 +693,12 @@ def test_round_22s_fixes_as_the_eighteenth_prober_found_them(monkeypatch, tmp_pa
                                                           _sys.exc_info())
     assert "\x1b" not in logging.Formatter().format(record) and "\\x1b[2Jboom" in record.exc_text
 
-    call = {"name": "lookup", "arguments": ""}
-    assert _accumulate(_accumulate(call, {"arguments": '{"q": 1}'}), "") == {"name": "lookup", "arguments": '{"q": 1}'}
-    assert _accumulate([{"a": 1}], "") == [{"a": 1}] and _accumulate("ab", "c") == "abc"
+    cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+    cap.cap.prompt_token_ids = [1, 2]
+    cap.feed(_chunk({"role": "assistant", "content": "", "function_call": {"name": "lookup", "arguments": ""}}, [5]))
+    cap.feed(_chunk({"function_call": {"arguments": '{"q": 1}'}}, [6], "function_call"))
+    cap.feed(_chunk({"function_call": ""}, []))  # (a late empty string)
+    assert cap.result()[1]["choices"][0]["message"]["function_call"] == {"name": "lookup", "arguments": '{"q": 1}'}
 
     out = tmp_path / "x.jsonl"
     out.write_text("old\n")
@@ -726,3 +731,49 @@ def test_rollouts_create_under_nohup_goes_on_after_sighup(redis_url, prefix):
     proc.send_signal(signal.SIGHUP)
     out, errs = proc.communicate(timeout=120)
     assert proc.returncode == 0 and len(out.split()) == 1500, (proc.returncode, errs[-1000:])
+
+
+def test_round_22s_fixes_as_the_nineteenth_prober_found_them():
+    """(The nineteenth prober.) A password of digits then ``/`` (``:12/Sec+ret==@``: base64) passed the unparsed-
+    password test (its "port" was a number) and showed whole; ``http://host:/a@b`` (an empty port, an ``@`` in the
+    path) was refused; ``:ab/c@d:e@h`` showed a piece of the password; a token as the user with an empty password
+    (``key:@``) was shown. The excerpt's per-character JSON pattern backtracked exponentially on a password of
+    backslashes and missed surrogate pairs and ``\\\\t``: JSON escapes are now read in one pass before matching. The
+    stream's own merge differed from the OpenAI SDK's (``type`` joined, numbers replaced, lists of scalars
+    replaced): the record now merges with the SDK's function itself."""
+    import time
+
+    from agl_common.settings import check_http_url, redacted_url
+    from agl_common.store import check_redis_url
+    from agl_gateway.capture import StreamCapture
+    from agl_trainer.cycle import _answer_excerpt
+
+    for url, shown in (("redis://:12/ab@h:6379/0", "redis://***@h:6379/0"),
+                       ("http://user:12/Sec+ret==@engine:8000", "http://***@engine:8000"),
+                       ("redis://:ab/c@d:e@h:6379/0", "redis://***@h:6379/0"),
+                       ("http://sk_live_ab12:@h:1", "http://***@h:1"),
+                       ("redis://10.0.0.5:6379/0?client_name=a@b&password=pw", "redis://10.0.0.5:6379/0?client_name=a%40b&password=***"),
+                       ("http://host:/a@b", "http://host:/a@b"), ("http://host:8000/x@v1.2", "http://host:8000/x@v1.2")):
+        assert redacted_url(url) == shown, (url, redacted_url(url))
+    with pytest.raises(ValueError, match="percent-encode"):
+        check_redis_url("redis://default:12/Sec+ret==@127.0.0.1:6391/0")
+    with pytest.raises(ValueError, match="percent-encode"):
+        check_http_url("http://user:12/Sec+ret==@engine:8000")
+    assert check_http_url("http://host:/a@b") == "http://host:/a@b"
+
+    assert _answer_excerpt(b'{"error":"unknown key sk_live_ab12"}', "http://sk_live_ab12:@h:1") == \
+        '{"error":"unknown key ***"}'
+    for echoed, password in ((json.dumps({"e": "bad h\U0001F600unter"}), "h%F0%9F%98%80unter"),
+                             (json.dumps({"e": "bad hun\tter2"}), "hun%09ter2")):
+        assert _answer_excerpt(echoed.encode(), f"http://u:{password}@h:1") == '{"e": "bad ***"}'
+    t0 = time.perf_counter()
+    _answer_excerpt(b"\\" * 1200 + b"x", "http://u:" + "%5C" * 22 + "Z@h:1")
+    assert time.perf_counter() - t0 < 1.0
+
+    cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+    cap.cap.prompt_token_ids = [1, 2]
+    cap.feed(_chunk({"role": "assistant", "content": "", "annotations": ["a"],
+                    "audio": {"id": "a", "type": "x", "expires_at": 10}}, [5]))
+    cap.feed(_chunk({"annotations": ["b"], "audio": {"type": "y", "expires_at": 5}}, [6], "stop"))
+    message = cap.result()[1]["choices"][0]["message"]
+    assert message["annotations"] == ["a", "b"] and message["audio"] == {"id": "a", "type": "y", "expires_at": 15}

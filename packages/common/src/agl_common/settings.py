@@ -122,18 +122,39 @@ def printable_log_records() -> None:
     logging.setLogRecordFactory(make)
 
 
-def unparsed_password(url: str) -> bool:
-    """Whether ``url``'s user part holds a password with an unescaped ``/``, ``?`` or ``#`` (base64 passwords hold
-    ``/``): ``urlsplit`` then ends the host at that character, reads ``user:pass`` as a host and a port that is no
-    number, and the rest of the password as the path or query (``redis://:ab/cd@h:6379/0``). Such a URL names no
-    server; it is refused where it is read (percent-encode the password) and shown with all of it hidden."""
+def _credential_end(url: str) -> int | None:
+    """Where the user part of ``url`` ends (the index of its ``@`` in ``url``) when ``urlsplit`` did not read it as one
+    (:func:`unparsed_password`), else ``None``."""
     try:
         parts = urlsplit(url)
     except ValueError:
-        return False
-    host, colon, port = parts.netloc.rpartition(":")
-    return bool(parts.scheme and "@" not in parts.netloc and colon and not port.isdigit() and not port.endswith("]")
-                and "@" in url.partition("://")[2])
+        return None
+    scheme, sep, rest = url.partition("://")
+    first = re.match(r"[^/?#@]*", rest)[0]  # (what urlsplit took as the host and port)
+    if not parts.scheme or not sep or "@" in parts.netloc or ":" not in first:
+        return None
+    at = re.search(r"@([^/?#@]*)(?=[/?#]|$)", rest)  # (the first @ followed by a host alone: "a/b@c:d@h" → "h")
+    if at is None:
+        return None
+    port = first.rpartition(":")[2]
+    host_port = re.fullmatch(r"(\[[^\]]*\]|[^:\[\]]+)(:[0-9]+)?", at[1])
+    in_path = at.start() < min([i for i in (rest.find("?"), rest.find("#")) if i >= 0] or [len(rest)])
+    # A port that is no number is a password's piece. Else an @ in the path (not the query: "?client_name=a@b") is
+    # one in a Redis URL (its path is a database number) or before a host and its port ("http://h:8000/x@v1.2" is
+    # a path).
+    if (port and not port.isdigit()) or (in_path and (scheme.lower().startswith("redis") or (host_port and
+                                                                                              host_port[2]))):
+        return len(scheme) + 3 + at.start()
+    return None
+
+
+def unparsed_password(url: str) -> bool:
+    """Whether ``url``'s user part holds a password with an unescaped ``/``, ``?`` or ``#`` (base64 passwords hold
+    ``/``): ``urlsplit`` then ends the host at that character, reads ``user:pass`` as a host and a port, and the rest
+    of the password as the path or query (``redis://:ab/cd@h:6379/0``, ``http://u:12/x@engine:8000``). Such a URL
+    names no server; it is refused where it is read (percent-encode the password) and shown with all of it
+    hidden."""
+    return _credential_end(url) is not None
 
 
 def redacted_url(url: str) -> str:
@@ -150,9 +171,9 @@ def redacted_url(url: str) -> str:
         return "<unparseable URL>"
     if not parts.netloc and "@" in url:  # no scheme (``user:pw@host:8080``): nothing before the @ is shown
         return "***@" + url.rpartition("@")[2]
-    if unparsed_password(url):  # (its user part read as a host, the rest of the password as a path: shown whole)
-        scheme, _, rest = url.partition("://")
-        return redacted_url(f"{scheme}://***@{rest.partition('@')[2]}")
+    end = _credential_end(url)
+    if end is not None:  # (its user part read as a host, the rest of the password as a path: shown whole)
+        return redacted_url(f"{url.partition('://')[0]}://***@{url[end + 1:]}")
 
     def secret(name: str) -> bool:  # camelCase split into words: accessToken -> access_Token
         return bool(SECRET_PARAM.search(re.sub(r"([a-z])([A-Z])", r"\1_\2", name)))
@@ -162,9 +183,9 @@ def redacted_url(url: str) -> str:
                                               urlencode([(k, v)], safe=":/") for k, v in query))
     if parts.fragment:  # (a fragment may carry a token: #access_token=...)
         parts = parts._replace(fragment="***")
-    if parts.password is None and parts.username:  # a user part alone may be a token (https://ghp_x@host)
+    if not parts.password and parts.username:  # a user part alone may be a token (https://ghp_x@host, curl's key:)
         parts = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}")
-    if parts.password is not None:
+    elif parts.password is not None:
         host = parts.netloc.rpartition("@")[2]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
     return parts.geturl()

@@ -8,10 +8,12 @@ same :class:`Captured`, checked the same way (:func:`check`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from agl_common.schemas import MAX_JSON_DEPTH, logprob_fault, token_id_fault, too_deep
+from openai.lib.streaming._deltas import accumulate_delta  # (pinned through litellm: openai 3.57)
 from pydantic import TypeAdapter, ValidationError
 
 
@@ -415,22 +417,6 @@ def check(cap: Captured, sent_prompt: list[int] | None = None, truncated: bool =
     return token_id_fault(cap.prompt_token_ids, cap.response_token_ids) or logprob_fault(cap.response_logprobs or [])
 
 
-def _accumulate(before: Any, piece: Any) -> Any:
-    """A stream delta's field ``piece`` merged into what came before, as the OpenAI SDK merges one
-    (``accumulate_delta``): strings are pieces of one string, objects merge key by key (a ``function_call`` streamed
-    as its name, then its arguments in pieces, kept only the last piece), anything else replaces; an empty piece
-    (``""``, ``{}``, ``[]``) changes nothing (one after the finish replaced what the agent had been sent)."""
-    if before is None:
-        return piece
-    if piece in ("", {}, []):
-        return before
-    if isinstance(before, str) and isinstance(piece, str):
-        return before + piece
-    if isinstance(before, dict) and isinstance(piece, dict):
-        return {**before, **{k: _accumulate(before.get(k), v) for k, v in piece.items() if v is not None}}
-    return piece
-
-
 class StreamCapture:
     """Accumulates a live chat stream (vLLM chunks with ``return_token_ids`` and ``logprobs`` on) into a
     :class:`Captured` and the complete ``chat.completion`` the agent was sent, and cleans each chunk for
@@ -497,12 +483,16 @@ class StreamCapture:
             self.text.append(piece)
             if delta.get("role", "assistant") not in ("assistant", None):
                 raise MalformedUpstream(f"'delta.role' is {delta['role']!r:.30}, not 'assistant'")
-            for name, value in delta.items():  # merged as the OpenAI SDK merges a delta (accumulate)
-                if name in ("role", "content", "tool_calls") or value is None:
-                    continue
-                if name in TEXT_FIELDS and not isinstance(value, str):  # (as check_choice: what the agent got)
+            fields = {name: value for name, value in delta.items()
+                      if name not in ("role", "content", "tool_calls") and value is not None}
+            for name in fields.keys() & set(TEXT_FIELDS):
+                if not isinstance(fields[name], str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")
-                self.other[name] = _accumulate(self.other.get(name), value)
+            try:  # the OpenAI SDK's own merge of a delta: the record holds the message the agent's SDK built (a
+                # function_call streamed in pieces kept its last piece; a late "" replaced a recorded object)
+                accumulate_delta(self.other, copy.deepcopy(fields))
+            except (TypeError, RuntimeError) as exc:  # (a list of pieces without their index)
+                raise MalformedUpstream(f"a stream delta the OpenAI SDK cannot merge: {exc}"[:300]) from None
             for tc in _given(delta, "tool_calls", list, "'delta.tool_calls'"):
                 if not isinstance(tc, dict):
                     raise MalformedUpstream("'delta.tool_calls' is not a list of objects")

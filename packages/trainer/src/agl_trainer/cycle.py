@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import re
 import time
@@ -71,38 +70,42 @@ async def _engine_get(http: httpx.AsyncClient, url: str, route: str) -> tuple[in
     return await _engine_request(http, "GET", url, route)
 
 
-def _as_json_may_write(secret: str) -> str:
-    """A regular expression matching ``secret`` as any JSON encoder may write it: each character as is or as a
-    ``\\uXXXX`` escape (either case: Go escapes ``&<>``, Python every non-ASCII letter), ``/`` also as ``\\/``,
-    ``"`` and ``\\`` escaped."""
-    def one(c: str) -> str:
-        forms = [re.escape(c), f"\\\\u(?i:{ord(c):04x})"] if ord(c) < 0x10000 else [re.escape(c)]
-        forms += {"/": [r"\\/"], '"': [r'\\"'], "\\": [r"\\\\"]}.get(c, [])
-        return "(?:" + "|".join(forms) + ")"
-    return "".join(one(c) for c in secret)
+_JSON_ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", '"': '"', "/": "/", "\\": "\\"}
+
+
+def _json_unescaped(text: str) -> str:
+    """``text`` with JSON's string escapes read (``\\u00e4`` in either case, surrogate pairs, ``\\/``, ``\\"``,
+    ``\\t``...), in one linear pass: an engine's JSON answer holds a credential as its encoder wrote it (Go escapes
+    ``&<>``, Python every non-ASCII letter)."""
+    def one(m: re.Match) -> str:
+        if m[1]:
+            return chr(0x10000 + ((int(m[1], 16) - 0xD800) << 10) + int(m[2], 16) - 0xDC00)
+        return chr(int(m[3], 16)) if m[3] else _JSON_ESCAPES[m[4]]
+    return re.sub(r'\\u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})|\\u([0-9a-fA-F]{4})|\\(["\\/bfnrt])',
+                  one, text)
 
 
 def _answer_excerpt(body: bytes, url: str) -> str:
     """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
-    replacement, every credential the trainer sent it masked wherever the engine echoed it — the engine key
-    (``AGL_UPSTREAM_KEY``); the URL's password (4 characters or more), ``user:password`` and its ``Basic`` base64, or
-    its user part alone when it holds no password (a token): each as is, URL-encoded or as any JSON encoder may write
-    it (:func:`_as_json_may_write`), and any run of characters holding 16 or more of one in a row (a cut an engine
-    echoed: ``...last 20 characters``) — and any token after ``Basic``/``Bearer``; then control characters escaped
-    (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8 sequences reached the terminal). A user name
-    beside a password is not masked alone (``admin`` masked every such word)."""
-    text = body[:1200].decode("utf-8", "replace")
+    replacement and JSON's escapes read (:func:`_json_unescaped`), every credential the trainer sent it masked
+    wherever the engine echoed it — the engine key (``AGL_UPSTREAM_KEY``); the URL's password (4 characters or
+    more), ``user:password`` and its ``Basic`` base64, or its user part alone when it holds no password (a token,
+    ``key:`` included): each as is or URL-encoded, and any run of characters holding 16 or more of one in a row (a
+    cut an engine echoed: ``...last 20 characters``) — and any token after ``Basic``/``Bearer``; then control
+    characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8 sequences reached the
+    terminal). A user name beside a password is not masked alone (``admin`` masked every such word)."""
+    text = _json_unescaped(body[:1200].decode("utf-8", "replace"))
     parts = urlsplit(url)
     secrets = [os.environ.get(ENGINE_KEY_ENV) or ""]
     user, password = unquote(parts.username or ""), unquote(parts.password or "")
-    if parts.password is not None:
+    if password:
         secrets += [f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode(),
                     password if len(password) >= 4 else ""]
     elif parts.username is not None:
         secrets += [user, base64.b64encode(f"{user}:".encode()).decode()]
     secrets = sorted({x for x in secrets if x}, key=len, reverse=True)
     for secret in secrets:
-        text = re.sub(_as_json_may_write(secret) + "|" + re.escape(quote(secret, safe="")), "***", text)
+        text = text.replace(secret, "***").replace(quote(secret, safe=""), "***")
     cuts = {x[i:i + 16] for x in secrets for i in range(len(x) - 15)}
     if cuts:
         text = re.sub(r"[^\s\"'<>]{16,}", lambda m: "***" if any(m[0][i:i + 16] in cuts
