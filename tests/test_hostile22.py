@@ -34,6 +34,16 @@ def _chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
             {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []} for _ in ids]}}]}
 
 
+def _default_signals() -> None:
+    """``preexec_fn`` of a child whose signals a test sends: SIGINT, SIGTERM and SIGHUP at their defaults, whatever
+    this test process inherited (a CI started under ``nohup`` or in a background job ignores SIGHUP or SIGINT, and a
+    child keeps an ignored disposition: the command would rightly ignore them too)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _stored_call(redis_url: str, prefix: str, rollout_id: str) -> None:
     """Store rollout ``rollout_id`` (not queued) with one recorded call: something for ``rollouts export``."""
     import asyncio
@@ -422,7 +432,7 @@ def test_rollouts_create_interrupted_stops_between_two_rollouts_and_says_which(s
 
     proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--redis", redis_url,
                              "--prefix", prefix, "--input", "{}", "--n", "100000", "--id", "k"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     r = sync_redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 60
     while not list(r.scan_iter(f"{prefix}rollout:*", count=1000)) and time.monotonic() < deadline:
@@ -505,7 +515,7 @@ def test_a_second_signal_ends_a_create_that_waits_on_a_silent_redis():
     with silent:
         proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--input", "{}", "--n", "3",
                                  "--redis", f"redis://127.0.0.1:{silent.getsockname()[1]}/0?socket_timeout=120"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
         time.sleep(4)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -723,7 +733,7 @@ def test_rollouts_create_under_nohup_goes_on_after_sighup(redis_url, prefix):
     proc = subprocess.Popen([sys.executable, "-m", "agl_trainer", "rollouts", "create", "--redis", redis_url,
                              "--prefix", prefix, "--input", "{}", "--n", "1500", "--id", "h"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                            preexec_fn=lambda: (_default_signals(), signal.signal(signal.SIGHUP, signal.SIG_IGN)))
     r = sync_redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 60
     while not list(r.scan_iter(f"{prefix}rollout:*", count=1000)) and time.monotonic() < deadline:
