@@ -594,14 +594,17 @@ def served_names(raw: bytes | None, where: str) -> list[str]:
     """Every model id of an engine's ``GET /v1/models`` answer that can be a served name (:func:`check_served_name`),
     in the engine's order: its base model's names and the adapters it has loaded. ``ValueError`` as
     :func:`listed_models`."""
-    names = []
-    for entry in listed_models(raw, where):
-        name = entry.get("id") if isinstance(entry, dict) else None
-        try:
-            names.append(check_served_name(name)) if isinstance(name, str) else None
-        except ValueError:
-            pass
-    return names
+    names = [entry.get("id") for entry in listed_models(raw, where) if isinstance(entry, dict)]
+    return [name for name in names if isinstance(name, str) and _is_served_name(name)]
+
+
+def _is_served_name(name: str) -> bool:
+    """Whether :func:`check_served_name` takes ``name``."""
+    try:
+        check_served_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def first_listed_model(raw: bytes | None, where: str) -> str:

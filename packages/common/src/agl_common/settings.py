@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-import unicodedata
 import shlex
+import unicodedata
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, field_validator

@@ -45,8 +45,8 @@ CHECK_BYTES_MAX = 4 << 20
 async def _engine_request(http: httpx.AsyncClient, method: str, url: str, route: str, json: dict | None = None,
                           timeout_s: float | None = None) -> tuple[int, bytes]:
     """``{method} {url}{route}`` (``json``: the body): its status and up to :data:`CHECK_BYTES_MAX` bytes of its body
-    as sent, within ``timeout_s`` seconds in all (default :data:`CHECK_TIMEOUT_S`; httpx's timeout bounds each read: an engine that sent its body a byte
-    at a time held a check, or a swap, for ever). Asks for no compression and decodes none (``aiter_raw``: a 32 KiB
+    as sent, within ``timeout_s`` seconds in all (default :data:`CHECK_TIMEOUT_S`; httpx's timeout bounds each read:
+    an engine that sent its body a byte at a time held a check, or a swap, for ever). Asks for no compression and decodes none (``aiter_raw``: a 32 KiB
     zstd body, or ``gzip, gzip``, decoded to a gigabyte before any size check). Every request the trainer makes to an
     engine goes through here. Raises :class:`EngineError` naming the engine (its URL without secrets)."""
     where, timeout_s = f"engine {redacted_url(url)}", CHECK_TIMEOUT_S if timeout_s is None else timeout_s
