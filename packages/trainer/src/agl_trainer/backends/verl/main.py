@@ -158,6 +158,9 @@ def _init_ray_gpu(env: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agl_common.settings import printable_log_records
+
+    printable_log_records()  # (the lease's warnings carry a Redis server's text: no terminal escapes, as in the CLIs)
     p = argparse.ArgumentParser(prog="python -m agl_trainer.backends.verl.main", description=__doc__.split("\n")[0])
     p.add_argument("config", type=Path)
     p.add_argument("--run-dir", type=Path, required=True)
