@@ -75,3 +75,45 @@ def spawns(inp: dict, output: str) -> float:
         f.write(str(child.pid))
     time.sleep(float(inp.get("judge_s", 3600)))
     return 1.0
+
+
+def judge_runs(inp: dict, output: str) -> float:
+    """A code judge (round 23): runs ``inp["code"]`` in a program of its own (``os.system``, as graders run a
+    candidate) and scores ``inp["worth"]`` when it exits 0, else 0."""
+    import os
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(inp["code"])
+    try:
+        status = os.system(f"{sys.executable} {f.name} >/dev/null 2>&1")
+    finally:
+        os.unlink(f.name)
+    return float(inp.get("worth", 1.0)) if status == 0 else 0.0
+
+
+def _passes(code: str) -> None:  # (a module-level target: a spawned or forked process runs it)
+    exec(code, {})
+
+
+def judge_in_process(inp: dict, output: str) -> float:
+    """A judge shaped like HumanEval's ``check_correctness``: the candidate in a ``multiprocessing.Process`` with a
+    time limit (round 23: refused in a daemonic worker)."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=_passes, args=(inp["code"],))
+    proc.start()
+    proc.join(60)
+    return 1.0 if proc.exitcode == 0 else 0.0
+
+
+def writes_into_its_pipe(inp: dict, output: str) -> float:
+    """What a process forked from the judge (sharing its memory and descriptors) could do: write an answer of its
+    own into the worker's pipe to the controller before the judge answers."""
+    import gc
+    from multiprocessing.connection import Connection
+
+    conn = next(o for o in gc.get_objects() if isinstance(o, Connection) and not o.closed)
+    conn.send_bytes(inp["forged"].encode())
+    return 0.0

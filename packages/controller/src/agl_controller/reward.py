@@ -10,8 +10,14 @@ the admin key and the Redis URL). A worker that answers goes back to a small idl
 module's state lives on per worker, not across workers); one past its timeout, or cancelled, is killed with every
 process of its group (it leads a session of its own: what the function started goes with it).
 
-The worker checks the value itself (:func:`agl_common.schemas.check_reward`), so only a float or a one-line error
-crosses the pipe, whatever the function returned.
+What crosses the pipe is JSON, never a pickle: a request ``[nonce, input, final_output]`` and its answer ``[nonce,
+true, reward]`` or ``[nonce, false, one-line error]``, at most :data:`MAX_ANSWER_BYTES`. The controller reads the
+answer as data and checks it again (the nonce of its own request, :func:`agl_common.schemas.check_reward` on the
+value): a process the function started that wrote into the pipe ran code in the controller through the pickle (the
+admin key read from its memory), forged the reward, and left the real answer to be read as the next call's (round
+23). The worker's descriptors are closed on exec, so what the function runs (``os.system``, ``subprocess``: a
+candidate program a judge tests) holds none of them; a process the function *forks* without exec shares the
+worker's memory and descriptors and so can answer in its name (a judge runs untrusted code in a fresh process).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import asyncio
 import atexit
 import contextlib
 import importlib
+import json
 import multiprocessing
 import os
+import secrets
 import signal
 import threading
 import weakref
@@ -37,6 +45,8 @@ RewardFn = Callable[[dict[str, Any], str], float]
 START_TIMEOUT_S = 120.0
 #: Idle workers kept for later calls; a worker beyond it is stopped when its call ends.
 IDLE_WORKERS = 4
+#: The longest answer a worker may send (a reward, or a one-line error of 300 characters, as JSON).
+MAX_ANSWER_BYTES = 4096
 
 
 class RewardFunctionError(RuntimeError):
@@ -69,9 +79,19 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _serve(conn, spec: str, parent: int) -> None:
-    """A worker's main: load ``spec``, say so, then answer ``(input, output)`` requests with ``(True, reward)``
-    or ``(False, message)`` until the controller (pid ``parent``) closes the pipe or dies."""
+def _close_on_exec() -> None:
+    """In the worker: every descriptor above stderr closed on exec (the pipe to the controller, the resource tracker's
+    pipe, the spawn sentinel: spawn passes them inheritable), so that a program the reward function runs holds none."""
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):  # (the listing's own descriptor is gone by now)
+            if int(name) > 2:
+                os.set_inheritable(int(name), False)
+
+
+def _serve(conn, spec: str, parent: int, nonce: str) -> None:
+    """A worker's main: load ``spec``, say so (``[nonce, ok, message]``), then answer each request ``[nonce, input,
+    output]`` with ``[nonce, true, reward]`` or ``[nonce, false, message]`` until the controller (pid ``parent``)
+    closes the pipe or dies."""
     from agl_common.lifetime import die_with_parent
     from agl_common.proc_secrets import hide_from_proc
     from agl_common.schemas import check_reward
@@ -79,6 +99,7 @@ def _serve(conn, spec: str, parent: int) -> None:
     # an exec'd child is dumpable again: a harness of the same user could read this worker's memory (the reward
     # function's own secrets, a judge's API key) through /proc/<pid>/mem; not any more (as the controller itself)
     hide_from_proc((), dumpable=False)
+    _close_on_exec()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the controller, which decides
     os.setsid()  # a process group of its own: what the function starts (a test run, model-written code) is killed
     # with the worker (_Worker.kill), not left running as the controller's user after a timeout. Out of the
@@ -88,22 +109,51 @@ def _serve(conn, spec: str, parent: int) -> None:
     try:
         fn = load_reward_fn(spec)
     except ValueError as exc:
-        conn.send((False, str(exc)))
+        conn.send_bytes(_dumps([nonce, False, str(exc)[:300]]))
         return
-    conn.send((True, None))
+    conn.send_bytes(_dumps([nonce, True, None]))
     while True:
         try:
-            inp, output = conn.recv()
+            nonce, inp, output = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         try:
-            answer = (True, check_reward(fn(inp, output)))
+            answer = [nonce, True, check_reward(fn(inp, output))]
         except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, GeneratorExit: reported
-            answer = (False, _one_line(exc))
+            answer = [nonce, False, _one_line(exc)]
         try:
-            conn.send(answer)
+            conn.send_bytes(_dumps(answer))
         except (BrokenPipeError, EOFError, OSError):
             return
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()  # (json, not orjson: an input may hold an int > 2**64)
+
+
+def _read_answer(data: bytes, nonce: str, started: bool) -> tuple[bool, float | str | None]:
+    """A worker's answer ``data`` to the request of ``nonce``, read as data: ``(True, reward)`` (checked again:
+    :func:`~agl_common.schemas.check_reward`; ``(True, None)`` for the start-up answer, ``started`` False) or ``(False,
+    message)`` (printable, 300 characters at most). Raises :class:`RewardFunctionError` for anything else (not JSON,
+    another request's nonce, a value that is no reward)."""
+    from agl_common.schemas import check_reward
+    from agl_common.settings import printable
+
+    try:
+        got, ok, value = json.loads(data)
+    except (TypeError, ValueError, RecursionError):  # (not JSON, not three values)
+        got = ok = value = None
+    if not isinstance(got, str) or not secrets.compare_digest(got, nonce) or not isinstance(ok, bool):
+        raise RewardFunctionError("the reward function's process answered out of turn (something it started wrote "
+                                  "into its pipe to the controller)")
+    if not ok:
+        return False, printable(str(value))[:300]
+    if not started and value is None:
+        return True, None
+    try:
+        return True, check_reward(value)
+    except ValueError as exc:
+        raise RewardFunctionError(f"the reward function's process answered no reward: {exc}") from None
 
 
 def _in_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -153,20 +203,40 @@ class _Worker:
     def __init__(self, spec: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec, os.getpid()), name="agl-reward-fn", daemon=True)
+        self.nonce = secrets.token_hex(16)
+        # not a daemon: a judge may start processes of its own (a multiprocessing.Process with a time limit, as
+        # HumanEval's check_correctness; a Pool), which multiprocessing refuses in a daemon; kill() and the exit
+        # hook below end it, and it asks Linux for SIGKILL when the controller dies (_serve)
+        self.proc = ctx.Process(target=_serve, args=(child, spec, os.getpid(), self.nonce), name="agl-reward-fn",
+                                daemon=False)
         self.proc.start()
         child.close()
         _live.add(self)
 
-    def _exchange(self, request: Any) -> Any:
+    def _exchange(self, request: Any) -> tuple[bool, float | str]:
+        """Send ``request`` (``[input, output]``, or None: read the start-up answer) under a new nonce and read its
+        answer (:func:`_read_answer`). Raises :class:`RewardFunctionError`."""
         try:
             if request is not None:
-                self.conn.send(request)
-            return self.conn.recv()
+                self.nonce = secrets.token_hex(16)
+                self.conn.send_bytes(_dumps([self.nonce, *request]))
+            data = self.conn.recv_bytes(MAX_ANSWER_BYTES)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.proc.join(5)
             raise RewardFunctionError(f"the reward function's process ended (exit code {self.proc.exitcode})") \
                 from None
+        except OSError:  # (recv_bytes: a message longer than MAX_ANSWER_BYTES)
+            raise RewardFunctionError("the reward function's process answered out of turn (an answer of more than "
+                                      f"{MAX_ANSWER_BYTES} bytes)") from None
+        return _read_answer(data, self.nonce, started=request is not None)
+
+    def quiet(self) -> bool:
+        """Whether nothing more waits in the pipe after an answer (else a process the function started wrote into
+        it: the worker is not kept, so no later call reads what it wrote)."""
+        try:
+            return not self.conn.poll(0)
+        except (OSError, ValueError):
+            return False
 
     async def ready(self) -> None:
         ok, message = await within(_in_thread(lambda: self._exchange(None)), START_TIMEOUT_S)
@@ -174,7 +244,7 @@ class _Worker:
             raise RewardFunctionError(message)
 
     async def call(self, inp: dict[str, Any], output: str) -> float:
-        ok, value = await _in_thread(lambda: self._exchange((inp, output)))
+        ok, value = await _in_thread(lambda: self._exchange([inp, output]))
         if not ok:
             raise RewardFunctionError(value)
         return value
@@ -227,7 +297,7 @@ class RewardPool:
                     raise RewardFunctionError(f"cannot start the reward function's process: {exc}") from None
                 await worker.ready()
             value = await within(worker.call(inp, output), timeout_s)
-            keep = len(self._idle) < self.idle
+            keep = len(self._idle) < self.idle and worker.quiet()
             return value
         finally:
             if worker is not None:
