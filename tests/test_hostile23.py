@@ -1,6 +1,8 @@
 """Round 23 of hostile input (docs/operations.md, "A twenty-third round"): each test failed before its fix."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +86,147 @@ async def test_a_judge_may_start_processes_of_its_own(monkeypatch):
         assert await pool.score({"code": "assert 1 + 1 == 3"}, "", 120) == 0.0
     finally:
         pool.close()
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agl_trainer", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.timeout(180)
+def test_a_model_directorys_file_that_cannot_be_read_is_one_line(tmp_path, redis_url, prefix):
+    """(The twentieth prober.) A FIFO ``generation_config.json`` in a model or tokenizer directory hung every command
+    that loads its vocabulary (``rollouts show --config``, ``export --shape rows``, ``ui --tokenizer``, and a training
+    run with every service up); one that is not JSON was a traceback there. Each is one line naming the file, and a
+    run loads the vocabulary before any service starts."""
+    import shutil
+
+    from agl_trainer.model import ModelFilesError, load_vocabulary
+
+    tiny = ROOT / "packages" / "trainer" / "src" / "agl_trainer" / "assets" / "tiny-tokenizer"
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    (model / "config.json").write_text('{"vocab_size": 1000, "model_type": "llama"}')
+    os.mkfifo(model / "generation_config.json")
+    with pytest.raises(ModelFilesError, match="generation_config.json: not a regular file"):
+        load_vocabulary(model)
+    (model / "generation_config.json").unlink()
+    for text, why in (("{", "not JSON"), ('{"eos_token_id": "two"}', "no token id")):
+        (model / "generation_config.json").write_text(text)
+        with pytest.raises(ModelFilesError, match=why):
+            load_vocabulary(model)
+    (model / "generation_config.json").unlink()
+    os.mkfifo(model / "generation_config.json")
+    (tmp_path / "cfg.yaml").write_text(f"base_model: {model}\n")
+    assert _cli("rollouts", "create", "--input", "{}", "--id", "m-1", "--redis", redis_url,
+                "--prefix", prefix).returncode == 0
+    out = _cli("rollouts", "show", "m-1", "--config", str(tmp_path / "cfg.yaml"), "--redis", redis_url,
+               "--prefix", prefix, timeout=60)
+    assert "generation_config.json: not a regular file" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = _cli("ui", "--tokenizer", str(model), "--port", "1", timeout=60)
+    assert out.returncode == 2 and "generation_config.json: not a regular file" in out.stderr, out.stderr
+
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.run import run_training
+
+    with pytest.raises(ModelFilesError):  # (before any service: no Redis, engine or gateway is started for it)
+        run_training(TrainConfig(base_model=str(model), redis_url="redis://127.0.0.1:1/0", out_dir=str(tmp_path / "r")))
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").rglob("logs/*"))
+
+
+def test_a_record_this_version_cannot_read_is_one_line_and_left_out_of_listings(tmp_path, redis_url, prefix):
+    """(The twentieth prober.) One stored record this version cannot read (another version's, a hand's) made the
+    trainer's commands 100-line tracebacks: a rollout of an unknown status (``rollouts list``, ``export``, the
+    dashboard's step, group and rollout pages: 500), a replica's heartbeat (``gateway status`` and ``pause``), the
+    policy (``gateway status``, and ``gateway resume --model``, so no command could replace it). Now listings leave
+    such a rollout out and say so, every other reader says one line naming the record, ``resume --model`` replaces an
+    unreadable policy, and the dashboard's pages name it."""
+    import redis as sync_redis
+
+    from agl_common.store import Store
+
+    r = sync_redis.Redis.from_url(redis_url)
+    args = ("--redis", redis_url, "--prefix", prefix)
+    for rid in ("good-1", "bad-1"):
+        assert _cli("rollouts", "create", "--input", "{}", "--id", rid, *args).returncode == 0
+    store = Store(redis_url, prefix)
+    bad_key = store.rollout_key("rollout", "bad-1")
+    r.set(bad_key, '{"rollout_id": "bad-1", "status": "paused"}')
+    out = _cli("rollouts", "list", "--json", *args)
+    assert out.returncode == 0 and [json.loads(x)["rollout_id"] for x in out.stdout.split()] == ["good-1"], out
+    assert "1 of them left out" in out.stderr, out.stderr
+    out = _cli("rollouts", "export", *args)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    out = _cli("rollouts", "show", "bad-1", *args)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "rollout 'bad-1'" in out.stderr \
+        and "status" in out.stderr, out.stderr
+
+    r.zadd(store.key("replicas"), {"rep-x": 9999999999})
+    r.set(store.key("replica", "rep-x"), '{"replica_id": "rep-x", "in_flight": "many"}')
+    for cmd in (("gateway", "status"), ("gateway", "pause", "--timeout", "2")):
+        out = _cli(*cmd, *args)
+        assert out.returncode == 1 and "Traceback" not in out.stderr and "replica 'rep-x'" in out.stderr, out.stderr
+    assert r.hlen(store.key("pauses")) == 0  # (the pause was withdrawn)
+    r.delete(store.key("replicas"), store.key("replica", "rep-x"))
+
+    r.set(store.key("policy"), '{"model": "", "version": 1}')
+    out = _cli("gateway", "status", *args)
+    assert out.returncode == 1 and "the current policy" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = _cli("gateway", "resume", "--model", "smollm2", "--version", "0", *args)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(r.get(store.key("policy")))["model"] == "smollm2"
+
+    import httpx
+    from agl_trainer.ui.server import create_app
+
+    from fakes import Served
+
+    run = tmp_path / "demo" / "run1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "groups": ["g"]}) + "\n")
+    with Served(create_app(redis_url, prefix, tmp_path)) as ui:
+        page = httpx.get(ui.url + "/rollouts/bad-1", timeout=60)
+        assert page.status_code == 500 and "Unreadable record" in page.text and "bad-1" in page.text, page.text[:500]
+        assert httpx.get(ui.url + "/rollouts/good-1", timeout=60).status_code in (200, 303)
+
+
+def test_an_adapter_whose_directory_name_is_no_served_name_is_refused_at_start(tmp_path, redis_url, prefix):
+    """(The twentieth prober.) ``eval --policy PATH`` took an adapter directory whose name makes no served name (255
+    characters, an ESC sequence), and after every service had started stored a policy no reader could parse
+    (``model_copy`` validates nothing): ``gateway status`` failed from then on. The name is refused before anything
+    starts, and the Store checks a policy before storing it. A Rich table's title printed the name's escapes raw."""
+    import asyncio
+
+    from agl_common.schemas import Policy
+    from agl_common.store import Store
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.evaluation import EvalPolicy, PolicyNotFound, resolve_policy
+    from agl_trainer.report import output_console
+    from rich.table import Table
+
+    for name in ("a" * 255, "adapter\x1b[31mRED"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+        with pytest.raises(PolicyNotFound, match="would be served as"):
+            resolve_policy(str(tmp_path / name), TrainConfig())
+    with pytest.raises(ValueError):
+        EvalPolicy("eval-\x1b[31m", 0, tmp_path).policy(TrainConfig())
+
+    async def store_it():
+        store = Store(redis_url, prefix)
+        try:
+            with pytest.raises(ValueError):
+                await store.set_policy(Policy(model="ok").model_copy(update={"model": ""}))
+            assert await store.get_policy() is None
+        finally:
+            await store.close()
+
+    asyncio.run(store_it())
+    console = output_console()
+    table = Table(title="evaluation of \x1b[31mRED")
+    table.add_column("metric\x1b]8;;x\x07")
+    table.add_row("cell\x1b[2J")
+    with console.capture() as got:
+        console.print(table)
+    assert "\x1b" not in got.get() and all(x in got.get() for x in ("\\x1b[31mRED", "\\x1b]8;;x", "\\x1b[2J"))

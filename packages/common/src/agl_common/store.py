@@ -258,6 +258,26 @@ class RolloutNotFound(KeyError):
     """No rollout with this id exists."""
 
 
+class UnreadableRecord(ValueError):
+    """A stored record this version cannot read (one written by another AGL version, or by hand): a one-line
+    message naming it and its first fault. Every CLI prints it as one line (round 23: a rollout of an unknown status
+    made listings a 100-line traceback, an unreadable policy could not be replaced)."""
+
+
+def _parsed(model: type, raw: bytes | str, what: str):
+    """``raw`` read as ``model`` (a pydantic model); :class:`UnreadableRecord` naming ``what`` if it does not
+    validate."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "the record"
+        raise UnreadableRecord(printable(f"{what}: its stored record cannot be read by this version ({where}: "
+                                         f"{first.get('msg', 'invalid')}; {exc.error_count()} error(s))")) from None
+
+
 class CallsRecordedSince(RuntimeError):
     """An attempt holds other records than the caller saw (:meth:`Store.update_rollout` ``calls_seen``)."""
 
@@ -608,12 +628,13 @@ class Store:
         raw = await self.r.get(self.rollout_key("rollout", rollout_id))
         if raw is None:
             raise RolloutNotFound(rollout_id)
-        return Rollout.model_validate_json(raw)
+        return _parsed(Rollout, raw, f"rollout {rollout_id!r}")
 
     async def get_rollouts(self, rollout_ids: list[str], skip_missing: bool = False) -> list[Rollout]:
         """Fetch many rollouts in one round trip, in the order of ``rollout_ids``. Raises :class:`RolloutNotFound`
-        for a missing one, or with ``skip_missing`` leaves it out (what views of the index use: a record deleted
-        or evicted by hand while the index still lists its id made whole listings fail)."""
+        for a missing one and :class:`UnreadableRecord` for one this version cannot read, or with ``skip_missing``
+        leaves either out (what views of the index use: a record deleted or evicted by hand while the index still
+        lists its id, or one another version wrote, made whole listings fail)."""
         if not rollout_ids:
             return []
         raws = await self._mget([self.rollout_key("rollout", rid) for rid in rollout_ids])
@@ -623,7 +644,11 @@ class Store:
                 continue
             if raw is None:
                 raise RolloutNotFound(rid)
-            out.append(Rollout.model_validate_json(raw))
+            try:
+                out.append(_parsed(Rollout, raw, f"rollout {rid!r}"))
+            except UnreadableRecord:
+                if not skip_missing:
+                    raise
         return out
 
     async def rollout_ids(self) -> list[str]:
@@ -669,7 +694,7 @@ class Store:
                         raise RolloutNotFound(rollout_id)
                     if seq_key and int(await pipe.get(seq_key) or 0) != calls_seen[1]:
                         raise CallsRecordedSince(rollout_id, calls_seen[0])
-                    rollout = Rollout.model_validate_json(raw)
+                    rollout = _parsed(Rollout, raw, f"rollout {rollout_id!r}")
                     old_status = rollout.status
                     change(rollout)
                     if rollout.status != old_status:
@@ -746,7 +771,7 @@ class Store:
         if not group_ids:
             return []
         raws = await self.r.hmget(self.key("group_members"), group_ids)
-        return [GroupInfo.model_validate_json(raw) if raw else None for raw in raws]
+        return [_parsed(GroupInfo, raw, f"group {gid!r}") if raw else None for gid, raw in zip(group_ids, raws)]
 
     # ---------------------------------------------------------------- calls
     async def record_call(self, record: CallRecord) -> CallRecord:
@@ -875,7 +900,8 @@ class Store:
     async def read_calls(self, rollout_id: str, attempt_id: str | None = None) -> list[CallRecord]:
         """Every recorded call of a rollout (optionally one attempt), ordered by ``seq``."""
         entries = await self.r.xrange(self.rollout_key("calls", rollout_id))
-        calls = [CallRecord.model_validate_json(fields[b"d"]) for _, fields in entries]
+        calls = [_parsed(CallRecord, fields[b"d"], f"call {entry_id.decode()} of rollout {rollout_id!r}")
+                 for entry_id, fields in entries]
         if attempt_id is not None:
             calls = [c for c in calls if c.attempt_id == attempt_id]
         return sorted(calls, key=lambda c: (int(c.attempt_id), c.seq))
@@ -922,10 +948,12 @@ class Store:
     # ---------------------------------------------------------------- policy & control
     async def get_policy(self) -> Policy | None:
         raw = await self.r.get(self.key("policy"))
-        return Policy.model_validate_json(raw) if raw else None
+        return _parsed(Policy, raw, "the current policy") if raw else None
 
     async def set_policy(self, policy: Policy) -> None:
-        await self.r.set(self.key("policy"), policy.model_dump_json())
+        """Store ``policy`` as the current one, checked first (``model_copy`` validates nothing: a policy every later
+        read would refuse was stored; round 23). Raises ``pydantic.ValidationError`` (a ``ValueError``)."""
+        await self.r.set(self.key("policy"), Policy.model_validate(policy.model_dump()).model_dump_json())
 
     async def publish_control(self, command: ControlCommand) -> None:
         """Apply ``command`` to the set of held pauses (``P pauses``: pause id → Unix time it expires), persist
@@ -976,7 +1004,7 @@ class Store:
 
     async def last_control(self) -> ControlCommand | None:
         raw = await self.r.get(self.key("control:last"))
-        return ControlCommand.model_validate_json(raw) if raw else None
+        return _parsed(ControlCommand, raw, "the last control command") if raw else None
 
     async def claim_replica(self, replica_id: str, owner: str) -> bool:
         """Take replica id ``replica_id`` for the process whose token is ``owner`` (``SET NX``: of two gateways
@@ -1030,13 +1058,13 @@ class Store:
         if not ids:
             return []
         raws = await self.r.mget([self.key("replica", rid) for rid in ids])
-        out = [ReplicaStatus.model_validate_json(raw) for raw in raws if raw]
+        out = [_parsed(ReplicaStatus, raw, f"the heartbeat of replica {rid!r}") for rid, raw in zip(ids, raws) if raw]
         return out if include_late else [r for r in out if now - r.updated_at < REPLICA_TTL_S]
 
     async def replica(self, replica_id: str) -> ReplicaStatus | None:
         """The last heartbeat of replica ``replica_id`` (live or late), or ``None`` if it has none."""
         raw = await self.r.get(self.key("replica", replica_id))
-        return ReplicaStatus.model_validate_json(raw) if raw else None
+        return _parsed(ReplicaStatus, raw, f"the heartbeat of replica {replica_id!r}") if raw else None
 
     # ---------------------------------------------------------------- controller claims, leases, retries
     # Two more keys, used by the controller only:

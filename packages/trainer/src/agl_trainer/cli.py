@@ -138,6 +138,7 @@ def _check_prefix(cfg) -> None:
 def _run(cfg, resume_dir: Path | None = None) -> None:
     from .cycle import EngineError
     from .lease import TrainerLive
+    from .model import ModelFilesError
     from .run import NotResumable, run_training
 
     _check_task(cfg)
@@ -148,7 +149,7 @@ def _run(cfg, resume_dir: Path | None = None) -> None:
     except NotResumable as exc:
         err.print(f"cannot resume: {exc}")
         raise typer.Exit(2) from None
-    except TrainerLive as exc:  # (a trainer that took the prefix after the check at start)
+    except (TrainerLive, ModelFilesError) as exc:  # (a trainer that took the prefix after the check at start)
         err.print(f"error: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
@@ -495,13 +496,15 @@ def rollouts_list(limit: int = typer.Option(100, min=0, help="show the latest th
         try:
             ids = await (store.rollout_ids() if run is None else store.run_rollout_ids(run))
             shown = ids[-limit:] if limit > 0 else ids
-            return await store.get_rollouts(shown, skip_missing=True), len(ids)
+            return await store.get_rollouts(shown, skip_missing=True), len(shown), len(ids)
         finally:
             await store.close()
 
-    items, total = asyncio.run(main())
-    if len(items) < total:
-        err.print(f"showing the latest {len(items)} of {total} rollouts (--limit 0 shows all)")
+    items, asked, total = asyncio.run(main())
+    if asked < total:
+        err.print(f"showing the latest {asked} of {total} rollouts (--limit 0 shows all)")
+    if len(items) < asked:  # (skip_missing: deleted by hand, or written by another version: `rollouts show` says)
+        err.print(f"{asked - len(items)} of them left out: no readable record (`rollouts show ID` says why)")
     if as_json:
         for r in items:
             sys.stdout.write(r.model_dump_json() + "\n")
@@ -767,8 +770,8 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
                    redis: str = RedisOpt, prefix: str = PrefixOpt):
     """Release held calls on every replica: end one pause (--pause ID) or every pause."""
     from agl_common.control import resume
-
     from agl_common.schemas import check_served_name
+    from agl_common.store import UnreadableRecord
 
     if model is not None and (not model.strip() or version is None):
         err.print("--model needs a non-empty name and its --version (a missing one was published as v0)")
@@ -786,7 +789,10 @@ def gateway_resume(model: str = typer.Option(None, help="route new calls to this
     async def main():
         store = _store(redis, prefix)
         try:
-            current = await store.get_policy()
+            try:
+                current = await store.get_policy() if model is not None else None
+            except UnreadableRecord:  # (another version's, or a hand's): --model replaces it
+                current = None
             if model is not None and current is not None and current.roles:
                 return "roles", current
             if pause is not None and pause not in await store.pauses():
@@ -863,7 +869,7 @@ def main() -> None:
     # clean-up runs (`gateway pause` killed mid-drain left its pause held for an hour, its id never printed)
     signal.signal(signal.SIGTERM, _terminate_once)
     from agl_common.settings import printable_log_records
-    from agl_common.store import redis_error_line
+    from agl_common.store import UnreadableRecord, redis_error_line
     from redis.exceptions import RedisError
 
     printable_log_records()  # (a Redis server's text in a log line, the lease's warnings: no terminal escapes)
@@ -871,4 +877,7 @@ def main() -> None:
         app(args=args)
     except RedisError as exc:  # one line, not a traceback: out of reach, refused credentials, out of memory, NOPERM
         err.print(f"error: {redis_error_line(exc)}", soft_wrap=True)
+        sys.exit(1)
+    except UnreadableRecord as exc:  # a record another version (or a hand) wrote: named, in one line
+        err.print(f"error: {exc}", soft_wrap=True)
         sys.exit(1)

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agl_common.schemas import policy_name, policy_version
+from agl_common.schemas import Policy, check_served_name, policy_name, policy_version
 from rich.console import Console
 from rich.table import Table
 
@@ -49,8 +49,8 @@ class EvalPolicy:
 
     def policy(self, cfg: TrainConfig):
         """The :class:`agl_common.schemas.Policy` the gateway routes to (with ``cfg``'s roles)."""
-        return cfg.base_policy().model_copy(update={"model": self.model, "version": self.version,
-                                                    "roles": {r: name for r, (name, _) in self.roles.items()}})
+        return Policy.model_validate({**cfg.base_policy().model_dump(), "model": self.model, "version": self.version,
+                                      "roles": {r: name for r, (name, _) in self.roles.items()}})  # (checked)
 
 
 def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> EvalPolicy:
@@ -87,7 +87,13 @@ def resolve_policy(spec: str, cfg: TrainConfig, run_dir: Path | None = None) -> 
     if not found:
         raise PolicyNotFound(f"--policy {spec!r} is not base, vN, or a directory with adapter_config.json")
     version = policy_version(path.name)
-    return EvalPolicy(f"eval-{path.name}" if version is None else path.name, version or 0, path.resolve())
+    name = f"eval-{path.name}" if version is None else path.name
+    try:  # (the adapter is served under its directory's name: one the gateway's policy cannot hold was stored, and
+        check_served_name(name)  # every later read of the policy failed; round 23)
+    except ValueError as exc:
+        raise PolicyNotFound(f"--policy {spec!r}: the adapter would be served as {exc}; copy it to a directory of "
+                             "a plainer name") from None
+    return EvalPolicy(name, version or 0, path.resolve())
 
 
 def _runs(cfg: TrainConfig, run_dir: Path | None) -> tuple[list[Path], str]:

@@ -83,16 +83,59 @@ def ensure_base_model(model_dir: str | Path | None = None, cache_dir: Path = DEF
 def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
     """End-of-turn/eos ids for :class:`~agl_trainer.algorithm.aggregate.Vocabulary`: the tokenizer's ``eos_token_id``
     plus the model's ``generation_config.json`` ``eos_token_id`` (an int or a list; the engine stops on
-    those too), read from ``model_dir`` if given. SmolLM2-Instruct: ``{2}`` (``<|im_end|>``)."""
+    those too), read from ``model_dir`` if given. SmolLM2-Instruct: ``{2}`` (``<|im_end|>``). Raises
+    :class:`ModelFilesError` for a ``generation_config.json`` that cannot be read or holds no token ids."""
     ids: set[int] = set()
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     if model_dir is not None:
         path = Path(model_dir) / "generation_config.json"
         if path.exists():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
+            data = _json_file(path)
+            value = data.get("eos_token_id") if isinstance(data, dict) else None
+            try:
+                ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
+            except (TypeError, ValueError, OverflowError):
+                raise ModelFilesError(f"{path}: eos_token_id is no token id or list of them") from None
     return ids
+
+
+class ModelFilesError(ValueError):
+    """A model directory's file that cannot be read: one line naming it."""
+
+
+#: The most a model directory's JSON file (config.json, generation_config.json) may hold.
+MODEL_JSON_MAX_BYTES = 16 << 20
+
+
+def _json_file(path: Path):
+    """The JSON value in ``path`` (:func:`~agl_trainer.files.read_small_file`: a FIFO blocked every command that loads
+    the vocabulary; round 23). Raises :class:`ModelFilesError` naming it: unreadable, or not JSON."""
+    from .files import read_small_file
+
+    try:
+        data = json.loads(read_small_file(path, MODEL_JSON_MAX_BYTES))
+    except ValueError as exc:  # (read_small_file's one line; a JSONDecodeError, a UnicodeDecodeError)
+        raise ModelFilesError(str(exc) if str(path) in str(exc) else f"{path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ModelFilesError(f"{path}: not JSON (nested too deeply)") from None
+    return data
+
+
+def check_model_files(model_dir: str | Path) -> None:
+    """Raise :class:`ModelFilesError` naming the first entry of ``model_dir`` that is neither a regular file nor a
+    folder (a FIFO, a device, a socket: transformers would block on it, or read without end). Links are followed."""
+    try:
+        entries = sorted(Path(model_dir).iterdir())
+    except OSError as exc:
+        raise ModelFilesError(f"{model_dir}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    for entry in entries:
+        try:
+            if not (entry.is_file() or entry.is_dir()) and entry.exists():
+                raise ModelFilesError(f"{entry}: not a regular file (a FIFO, a device or a socket in a model "
+                                      "directory)")
+        except OSError as exc:
+            raise ModelFilesError(f"{entry}: cannot be read ({exc.strerror or type(exc).__name__})") from None
 
 
 def embedded_ids(tokenizer, model_dir=None) -> int:
@@ -100,7 +143,7 @@ def embedded_ids(tokenizer, model_dir=None) -> int:
     ``model_dir`` when it has one (often padded past the tokenizer: Qwen2.5 151,936 for 151,665 tokens), else
     ``len(tokenizer)`` (a tokenizer-only directory). SmolLM2-135M: 49,152."""
     path = Path(model_dir) / "config.json" if model_dir is not None else None
-    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    config = _json_file(path) if path is not None and path.exists() else {}
     for where in (config, config.get("text_config")) if isinstance(config, dict) else ():
         size = where.get("vocab_size") if isinstance(where, dict) else None
         if type(size) is int and size > 0:  # (not a bool: ``true`` would bound every id to 0)
@@ -111,11 +154,13 @@ def embedded_ids(tokenizer, model_dir=None) -> int:
 def load_vocabulary(model_dir: str | Path):
     """The :class:`~agl_trainer.algorithm.aggregate.Vocabulary` of the model in ``model_dir`` (``AutoTokenizer``,
     :func:`end_of_turn_ids`, :func:`embedded_ids`): what training, export and the dashboard build rows with.
-    Raises ``OSError`` (transformers) if the directory holds no tokenizer."""
+    Raises ``OSError`` (transformers) if the directory holds no tokenizer, :class:`ModelFilesError` for a file that
+    cannot be read (:func:`check_model_files`, then its JSON files)."""
     from transformers import AutoTokenizer
 
     from .algorithm.aggregate import Vocabulary
 
+    check_model_files(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Vocabulary(decode=tokenizer.decode, eos_ids=frozenset(end_of_turn_ids(tokenizer, model_dir)),
                       size=embedded_ids(tokenizer, model_dir))

@@ -15,11 +15,12 @@ from .algorithm.stepstats import TIME_KEYS
 
 class _PlainConsole(Console):
     """A console that prints text as it is: no Rich markup (a path, prefix, id or engine message holding ``[/]`` was
-    a ``MarkupError`` traceback), and each text's control characters but newlines and tabs escaped (an engine's or a
-    Redis server's error text with ESC or OSC-8 sequences drove the terminal)."""
+    a ``MarkupError`` traceback), and the control characters but newlines and tabs of every string it renders
+    escaped — what it prints, and a table's title, headers and cells alike (an engine's or a Redis server's error
+    text with ESC or OSC-8 sequences drove the terminal; round 23: a policy's name in an evaluation's table title)."""
 
-    def print(self, *objects, **kwargs) -> None:  # noqa: D102 - Console.print, each str made printable
-        super().print(*(printable(o, "\n\t") if isinstance(o, str) else o for o in objects), **kwargs)
+    def render_str(self, text: str, **kwargs):  # noqa: D102 - Console.render_str: every str Rich renders passes here
+        return super().render_str(printable(text, "\n\t"), **kwargs)
 
 
 def output_console(stderr: bool = False) -> Console:

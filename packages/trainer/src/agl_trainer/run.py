@@ -35,7 +35,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     """
     from .cycle import check_engine
     from .lease import TrainerLease
-    from .model import load_vocabulary
+    from .model import ensure_base_model, load_vocabulary
     from .services import Services
     from .stack import start_agents, start_engine
 
@@ -59,6 +59,9 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                   f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
     console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
                   f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
+    # the vocabulary (merge-break classes, end-of-turn ids, the bound on ids) before any service starts: a model
+    # directory's file that cannot be read is one line then (ModelFilesError), not a hang with every service up
+    vocab = load_vocabulary(ensure_base_model(cfg.base_model, announce=console.print))
     with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url, cfg.harness_user),
                                                          cfg.prefix, run_dir.name) as lease:
         # the prefix is this trainer's from here on: nothing another trainer uses was touched before (the engine's
@@ -76,7 +79,6 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
                       f"redis {redacted_url(redis_url)}"
                       f"{' (started for this run; its URL: logs/redis.url)' if 'redis' in svc.procs else ''}, "
                       f"run {run_dir}")
-        vocab = load_vocabulary(base)  # merge-break classes, end-of-turn ids, the bound on ids: once per run
         try:
             return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab, lease))
         finally:

@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import quote
 
 from agl_common.settings import redacted_url
-from agl_common.store import RolloutNotFound, Store
+from agl_common.store import RolloutNotFound, Store, UnreadableRecord
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -107,6 +107,10 @@ def create_app(redis_url: str, prefix: str, runs_dir: Path, decoder: Vocabulary 
                           f"The dashboard reads rollouts and calls from Redis at {redis_url} (prefix {prefix!r}) and "
                           f"could not: {type(exc).__name__}: {str(exc).rstrip('.')}. Start Redis or pass --redis URL; "
                           f"run pages that only need {runs_dir} still work.")
+
+    @app.exception_handler(UnreadableRecord)
+    async def on_unreadable(request: Request, exc: UnreadableRecord):  # (another version's record, or a hand's)
+        return error_page(request, 500, "Unreadable record", f"{exc}.")
 
     @app.exception_handler(RequestValidationError)
     async def on_bad_parameter(request: Request, exc: RequestValidationError):
