@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,3 +231,112 @@ def test_an_adapter_whose_directory_name_is_no_served_name_is_refused_at_start(t
     with console.capture() as got:
         console.print(table)
     assert "\x1b" not in got.get() and all(x in got.get() for x in ("\\x1b[31mRED", "\\x1b]8;;x", "\\x1b[2J"))
+
+
+async def test_an_engine_urls_credentials_are_masked_in_answers_and_records(store, redis_url, prefix):
+    """(The twenty-second prober.) An engine reached as ``http://user:password@host`` (aiohttp sends ``Authorization:
+    Basic``) that echoes the request's ``Authorization`` handed the agent, and the call record, the base64 of
+    ``user:password``: only ``AGL_UPSTREAM_KEY`` was masked. And with that key, an echo inside a 200 answer was masked
+    for the agent but kept in clear in the record's ``response``. Every credential the gateway sends is masked in
+    every answer and in the whole record."""
+    import base64
+
+    import orjson
+    from fakes import Served, fake_upstream
+    from test_gateway import MSG, gateway, make_rollout
+
+    b64 = base64.b64encode(b"engineuser:S3cretEnginePassword").decode()
+    key = "EngineKey_0123456789abcdef"
+
+    def answer(content: str) -> bytes:
+        return orjson.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                             "prompt_token_ids": [1, 2], "usage": {"prompt_tokens": 2, "completion_tokens": 2,
+                                                                   "total_tokens": 4},
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                          "finish_reason": "stop", "token_ids": [5, 6], "logprobs": None}]})
+
+    app = fake_upstream()
+    await make_rollout(store, "r1")
+    seen = []
+    with Served(app) as up:
+        with_password = up.url.replace("http://", "http://engineuser:S3cretEnginePassword@")
+        for upstream, kw, secret in ((with_password, {}, f"Basic {b64}"), (up.url, {"upstream_key": key},
+                                                                             f"Bearer {key}")):
+            with gateway(redis_url, prefix, upstream, **kw) as gw:
+                async with httpx.AsyncClient(timeout=30) as c:
+                    plans = [("body", 400, orjson.dumps({"error": {"message": f"Authorization was '{secret}'"}})),
+                             ("body", 200, answer(f"auth={secret}"))]
+                    if not kw:  # (the password itself, and user:password, echoed by the engine that was sent them)
+                        plans.append(("body", 200, answer("pw=S3cretEnginePassword u:p=engineuser:S3cretEnginePassword")))
+                    for plan in plans:
+                        app.state.plan = plan
+                        r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG)
+                        assert len(r.content) == int(r.headers["content-length"])
+                        seen.append(r.text)
+    assert not [t for t in seen if b64[:12] in t or key[:16] in t or "S3cretEngine" in t], seen
+    assert "Basic ****" in seen[0] and "Bearer ****" in seen[3], seen
+    records = [c.model_dump_json() for c in await store.read_calls("r1")]
+    assert len(records) == 5 and not [t for t in records if b64[:12] in t or key[:16] in t or "S3cretEngine" in t], \
+        records
+
+
+@pytest.mark.timeout(300)
+async def test_a_streams_late_events_and_text_fields_cost_linear_time(store, redis_url, prefix):
+    """(The twenty-second prober.) Each event after a stream's finish reason copied the list of those before it (160k
+    empty closing deltas: 46 s, the event loop stalled for seconds), and the reasoning text and tool-call arguments
+    were joined chunk by chunk (64 MB of ``reasoning_content``: 167 s, against 1.7 s as ``content``). Both are now
+    collected and joined once. (Bounds 10x and more above the time taken now: they catch the quadratic form only.)"""
+    import time
+
+    import orjson
+    from agl_gateway.capture import StreamCapture
+    from fakes import Served, fake_upstream
+    from test_gateway import MSG, gateway, make_rollout
+
+    cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+    cap.cap.prompt_token_ids = [1, 2]
+    piece = "r" * 4000
+    t0 = time.perf_counter()
+    for i in range(6000):
+        cap.feed(_chunk({"reasoning_content": piece, "tool_calls": [
+            {"index": 0, "id": "t1" if i == 0 else None, "function": {"name": "f" if i == 0 else None,
+                                                                      "arguments": piece}}]}, [5]))
+    cap.feed(_chunk({}, [], "tool_calls"))
+    message = cap.result()[1]["choices"][0]["message"]
+    took = time.perf_counter() - t0
+    assert len(message["reasoning_content"]) == len(message["tool_calls"][0]["function"]["arguments"]) == 24_000_000
+    assert message["tool_calls"][0]["function"]["name"] == "f" and took < 10, took
+
+    events = [_chunk({"role": "assistant", "content": "hi"}, [5], "stop")] + [_chunk({}, [])] * 100_000
+    app = fake_upstream()
+    app.state.plan = ("stream", [b"data: " + orjson.dumps(e) + b"\n\n" for e in events], "done")
+    await make_rollout(store, "r1")
+    with Served(app) as up, gateway(redis_url, prefix, up.url) as gw:
+        async with httpx.AsyncClient(timeout=300) as c:
+            t0 = time.perf_counter()
+            r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json={**MSG, "stream": True})
+            took = time.perf_counter() - t0
+    assert r.status_code == 200 and r.text.count("data: ") == 100_002 and took < 30, took
+
+
+def _chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
+    """A vLLM-shaped chat stream chunk of one choice: ``delta``, its token ``ids`` with a logprob each, ``finish``."""
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": [
+            {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []} for _ in ids]}}]}
+
+
+def test_gateway_options_a_served_policy_cannot_hold_are_one_line():
+    """(The twenty-second prober.) ``agl-gateway serve --model ' x'`` (a name the policy refuses) was a 59-line
+    lifespan traceback, ``--log-level foo`` a ``KeyError`` traceback, and ``AGL_REDIS_MAX_CONNECTIONS=1`` was taken
+    (every call then waited 10 s and failed ``store_unavailable``: the control channel holds a connection). One line
+    each, exit 2."""
+    env = {**os.environ, "AGL_REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args, extra, said in ((["--model", " x"], {}, "model"), (["--model", "a\x1b[31m"], {}, "model"),
+                              (["--log-level", "foo"], {}, "--log-level"),
+                              ([], {"AGL_REDIS_MAX_CONNECTIONS": "1"}, "redis_max_connections")):
+        out = subprocess.run([sys.executable, "-m", "agl_gateway", "serve", "--upstream", "http://127.0.0.1:1",
+                              "--port", "0", *args], capture_output=True, text=True, timeout=60,
+                             env={**env, **extra})
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and said in out.stderr \
+            and "\x1b" not in out.stderr, (args, out.stderr[-1500:])

@@ -28,7 +28,7 @@ from .otel import tracer_from_env
 from .routes import anthropic, openai, ops, responses, rollouts
 from .settings import GatewaySettings
 from .state import GatewayState
-from .upstream import current_policy, mask_key
+from .upstream import current_policy, engine_credentials, mask_credentials
 
 log = logging.getLogger("agl.gateway")
 
@@ -85,18 +85,20 @@ class RequestMetrics:
 
 
 class HideEngineKey:
-    """Pure ASGI middleware: the engine's key (``upstream_key``) is masked, byte for byte (``*``, the same length:
-    a ``Content-Length`` stays right), in every response body the gateway sends — the whole key, and any prefix of
-    it of :data:`~.upstream.KEY_PREFIX_MASKED` characters or more (:func:`~.upstream.mask_key`: the gateway cuts
-    long engine messages, and a key that straddled the cut reached the agent less its last characters). The engine's messages reach the agent (a 400
-    ``upstream_rejected`` names what the engine said; a stream's error event is relayed): an engine, or a proxy
-    before it, that echoes the request's ``Authorization`` handed the agent the key that opens every route of the
-    engine (round 20). The key's characters are ones no JSON or Python quoting escapes (``GatewaySettings``), and
-    each body message is whole (an answer, or one stream event), so a key is never split across two."""
+    """Pure ASGI middleware: every credential the gateway sends its engines (:func:`~.upstream.engine_credentials`:
+    the engine's key, an engine URL's ``user:password`` and its ``Basic`` base64) is masked, byte for byte (``*``,
+    the same length: a ``Content-Length`` stays right), in every response body the gateway sends — each whole, and
+    any prefix of one of :data:`~.upstream.KEY_PREFIX_MASKED` characters or more (:func:`~.upstream.mask_key`: the
+    gateway cuts long engine messages, and a key that straddled the cut reached the agent less its last
+    characters). The engine's messages reach the agent (a 400 ``upstream_rejected`` names what the engine said; a
+    stream's error event is relayed): an engine, or a proxy before it, that echoes the request's ``Authorization``
+    handed the agent the key that opens every route of the engine (round 20), or the URL's password (round 23). Each
+    credential masked is made of characters no JSON encoder escapes, and each body message is whole (an answer, or
+    one stream event), so none is split across two."""
 
-    def __init__(self, app, key: str):
+    def __init__(self, app, credentials: tuple[bytes, ...]):
         self.app = app
-        self.key = key.encode()
+        self.credentials = credentials
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -104,11 +106,10 @@ class HideEngineKey:
 
         async def masked(message):
             if message["type"] == "http.response.body":
-                message["body"] = mask_key(message.get("body", b""), self.key)
+                message["body"] = mask_credentials(message.get("body", b""), self.credentials)
             await send(message)
 
         await self.app(scope, receive, masked)
-
 
 
 #: Endpoints taken by :class:`RequestMetrics`'s short cut: ``async def f(request) -> Response``.
@@ -142,6 +143,7 @@ def _fast_route(scope):
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     """Build the gateway. Redis and the engine are contacted on start-up (lifespan), not here."""
     settings = settings or GatewaySettings()
+    credentials = engine_credentials(settings.upstream_key, settings.upstream)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -160,7 +162,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         wake = asyncio.Event()
         gate = PauseGate(settings.max_hold, on_change=wake.set, max_held_per_attempt=settings.max_in_flight_per_attempt)
         st = GatewayState(settings, store, http, gate, Policy(model=settings.model) if settings.model else None,
-                          metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel))
+                          metrics, Engines(settings.upstreams_v1), tracer=tracer_from_env(settings.otel),
+                          credentials=credentials)
         app.state.agl = st
         await claim_replica_id(store, settings.replica_id, st.owner)
         pubsub = None
@@ -201,8 +204,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
 
     app.add_middleware(RequestMetrics)
-    if settings.upstream_key:
-        app.add_middleware(HideEngineKey, key=settings.upstream_key)
+    if credentials:
+        app.add_middleware(HideEngineKey, credentials=credentials)
     if not settings.key:  # keyless on loopback: only loopback Host names (a web page cannot read it by DNS rebinding)
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings.host))
     for family in (openai.router, anthropic.router, responses.router):

@@ -432,7 +432,10 @@ class StreamCapture:
         self.lps_missing = False  # a chunk's token came without its logprob: the capture has none
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.other: dict[str, Any] = {}  # the delta's other fields (``reasoning``, ``refusal``...), as the agent got them
+        self.other: dict[str, Any] = {}  # the delta's other fields (``function_call``, ``audio``...), as the agent got them
+        # (the string fields' pieces, joined once at the end: joining them per chunk, as the SDK's merge does, was
+        # quadratic in a stream's length; round 23)
+        self.pieces: dict[str, list[str]] = {}
         self.first: dict[str, Any] | None = None
 
     def feed(self, chunk: Any) -> tuple[dict[str, Any] | None, int]:
@@ -488,6 +491,7 @@ class StreamCapture:
             for name in fields.keys() & set(TEXT_FIELDS):
                 if not isinstance(fields[name], str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")
+                self.pieces.setdefault(name, []).append(fields.pop(name))  # (the SDK's merge of strings: joined)
             try:  # the OpenAI SDK's own merge of a delta: the record holds the message the agent's SDK built (a
                 # function_call streamed in pieces kept its last piece; a late "" replaced a recorded object)
                 accumulate_delta(self.other, copy.deepcopy(fields))
@@ -504,14 +508,14 @@ class StreamCapture:
                 if not isinstance(fn, dict) or not all(fn.get(k) is None or isinstance(fn[k], str)
                                                        for k in ("name", "arguments")):
                     raise MalformedUpstream("'delta.tool_calls[].function' is not an object of strings")
-                acc = self.tool_calls.setdefault(index, {
-                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                acc = self.tool_calls.setdefault(index, {  # (name and arguments as pieces, joined in result())
+                    "id": None, "type": "function", "function": {"name": [], "arguments": []}})
                 if tc.get("id") and acc["id"] and tc["id"] != acc["id"]:  # (the OpenAI SDK joins the two)
                     raise MalformedUpstream(f"tool call {index} changed its id from {acc['id']!r:.40} to "
                                             f"{tc['id']!r:.40}")
                 acc["id"] = tc.get("id") or acc["id"]
-                acc["function"]["name"] += fn.get("name") or ""
-                acc["function"]["arguments"] += fn.get("arguments") or ""
+                acc["function"]["name"].append(fn.get("name") or "")
+                acc["function"]["arguments"].append(fn.get("arguments") or "")
             finish = ch.get("finish_reason")
             if finish is not None and not isinstance(finish, str):
                 raise MalformedUpstream("'finish_reason' is not a string")
@@ -533,12 +537,15 @@ class StreamCapture:
         """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to (``None``, with
         ``error`` set, if it nests deeper than :data:`MAX_JSON_DEPTH`)."""
         cap = self.cap
-        cap.said = bool("".join(self.text) or self.tool_calls or any(self.other.get(k) for k in TEXT_FIELDS))
+        texts = {name: "".join(pieces) for name, pieces in self.pieces.items()}
+        cap.said = bool("".join(self.text) or self.tool_calls or any(texts.values()))
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **self.other}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **self.other, **texts}
         if self.tool_calls:
-            message["tool_calls"] = [self.tool_calls[k] for k in sorted(self.tool_calls)]
+            message["tool_calls"] = [{**self.tool_calls[k], "function": {
+                part: "".join(pieces) for part, pieces in self.tool_calls[k]["function"].items()}}
+                for k in sorted(self.tool_calls)]
         first = self.first or {}
         answer = {"id": first.get("id"), "object": "chat.completion", "created": first.get("created"),
                   "model": self.request.get("model", self.model),

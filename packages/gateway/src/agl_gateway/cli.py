@@ -54,10 +54,12 @@ def serve(
     otel: bool = typer.Option(_D["otel"].default, "--otel", envvar="AGL_OTEL",
                               help="emit an OpenTelemetry GenAI span per model call (OTLP/HTTP; configured by the "
                               "standard OTEL_* variables)"),
-    log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL"),
+    log_level: str = typer.Option("warning", envvar="AGL_LOG_LEVEL",
+                                  help="critical, error, warning, info, debug or trace (uvicorn's levels)"),
 ) -> None:
     """Serve the gateway (uvicorn, one process)."""
     from pydantic import ValidationError
+    from uvicorn.config import LOG_LEVELS
 
     from agl_common.store import StoreRefused
 
@@ -66,6 +68,10 @@ def serve(
     from .app import ReplicaIdLive, create_app
 
     printable_log_records()  # (a Redis server's or an engine's text in a log line drives no terminal)
+    if log_level.lower() not in LOG_LEVELS:  # (uvicorn's KeyError traceback)
+        _say(f"error: --log-level / AGL_LOG_LEVEL {log_level!r}: one of {', '.join(LOG_LEVELS)}")
+        raise typer.Exit(2)
+    log_level = log_level.lower()
 
     try:
         settings = GatewaySettings(upstream=upstream, model=model, redis_url=redis, prefix=prefix, host=host,

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from .capture import Captured, check, sent_prompt_ids
 from .errors import ApiError, store_down
 from .state import GatewayState
-from .upstream import mask_key
+from .upstream import mask_credentials
 
 log = logging.getLogger("agl.gateway")
 
@@ -78,8 +78,6 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
     same order, ``"seq":-1`` third, replaced by the store's script), without building the model.
     """
     t0 = time.perf_counter()
-    if rec.get("error") and st.settings.upstream_key:  # the engine's words, as the agent got them: without its key
-        rec["error"] = mask_key(rec["error"].encode(), st.settings.upstream_key.encode()).decode()
     try:
         payload = orjson.dumps(rec)
     except TypeError:  # something orjson does not encode (non-string keys...): pydantic's serializer
@@ -89,6 +87,8 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
             rec.update(request={}, response=None, status="error",
                        error=f"record could not be encoded ({type(exc).__name__}); request and answer dropped")
             payload = orjson.dumps(rec)
+    if st.credentials:  # the record as the agent got it (HideEngineKey): no engine credential in its error, its
+        payload = mask_credentials(payload, st.credentials)  # answer or anywhere else (round 23: the answer kept it)
     try:
         seq = await st.store.record_call_json(rec["rollout_id"], rec["attempt_id"], payload,
                                               st.settings.max_calls_per_attempt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+from agl_common.schemas import check_served_name
 from agl_common.settings import CommonSettings, check_bind_host, check_engine_key, engine_base_urls
 from agl_common.store import CALLS_PER_ATTEMPT_MAX, RECORD_BYTES_PER_ATTEMPT_MAX
 from pydantic import Field, field_validator, model_validator
@@ -44,7 +45,7 @@ class GatewaySettings(CommonSettings):
     heartbeat_s: float = Field(default=1.0, ge=0.05, le=4.0, allow_inf_nan=False, description=(
         "seconds between two status heartbeats (under the 5 s a replica counts as live)"))
     otel: bool = False  # one OpenTelemetry span per call (agl_gateway.otel), exporter set by OTEL_* variables
-    redis_max_connections: int = Field(default=512, ge=1)  # per replica; a call waits (up to 10 s) for a free one beyond that
+    redis_max_connections: int = Field(default=512, ge=2)  # (the control channel holds one) per replica; a call waits (up to 10 s) for a free one beyond that
     wait_replicas: int = Field(default=0, ge=0, description=(
         "replicas that must hold a call's record (Redis WAIT) before the agent gets its answer; 0: reply once "
         "the master has it (faster; a failover can lose acknowledged records)"))
@@ -57,6 +58,11 @@ class GatewaySettings(CommonSettings):
     @classmethod
     def _host(cls, v: str) -> str:
         return check_bind_host(v)
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_a_served_name(cls, v: str | None) -> str | None:
+        return check_served_name(v) if v else v  # ("" or none: the engine's first, discovered)
 
     @field_validator("upstream")
     @classmethod

@@ -39,6 +39,8 @@ class GatewayState:
     owner: str = field(default_factory=lambda: secrets.token_hex(8))
     #: another process took this replica's id (its heartbeats stopped too long): no drain counts it any more
     displaced: bool = False
+    #: what the gateway sends its engines, masked in every answer and record (:func:`.upstream.engine_credentials`)
+    credentials: tuple[bytes, ...] = ()
 
 
 def state_of(request: Request) -> GatewayState:

@@ -10,6 +10,7 @@ here too, and neither takes engines out of service for live traffic.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 from agl_common.schemas import Policy, first_listed_model
-from agl_common.settings import redacted_url
+from agl_common.settings import engine_base_urls, redacted_url
 
 from .engines import NoEngine
 from .errors import ApiError, engine_error
@@ -47,6 +48,39 @@ async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
 #: The shortest prefix of the engine's key :func:`mask_key` masks (also the shortest key the gateway takes: a short
 #: one, ``a`` or ``assistant-9f8e``, masked the letters and words of every answer).
 KEY_PREFIX_MASKED = 16
+
+
+#: What a credential must be made of to be masked in a JSON body byte for byte (``*``): characters no JSON encoder
+#: escapes and none of its syntax, with one that is no part of a JSON number (a masked number breaks an answer).
+_MASKABLE = re.compile(rb"(?=[A-Za-z0-9._~+/=-]*[A-DF-Za-df-z_~/=])[A-Za-z0-9._~+/=-]+")
+
+
+def engine_credentials(key: str | None, upstream: str) -> tuple[bytes, ...]:
+    """What the gateway sends its engines that an engine (or a proxy before it) echoing the request would show:
+    the engine's ``key`` (``Authorization: Bearer``), and for each engine URL of ``upstream`` with a user part the
+    ``Authorization: Basic`` value aiohttp sends (base64 of ``user:password``), and ``user:password``, the password
+    and a user alone (a token) when 8 characters or more — each only where :data:`_MASKABLE` (a password of other
+    characters is masked as its base64, the form a header echo shows). Round 23: the URL's credentials reached the
+    agent and the call record; only the key was masked."""
+    import base64
+    from urllib.parse import unquote, urlsplit
+
+    out = [key.encode()] if key else []
+    for url in engine_base_urls(upstream):
+        parts = urlsplit(url)
+        if parts.username is None:
+            continue
+        user, password = unquote(parts.username), unquote(parts.password or "")
+        out.append(base64.b64encode(f"{user}:{password}".encode()))
+        out += [x.encode() for x in (f"{user}:{password}", password, user if not password else "") if len(x) >= 8]
+    return tuple(sorted({x for x in out if _MASKABLE.fullmatch(x)}, key=len, reverse=True))
+
+
+def mask_credentials(data: bytes, credentials: tuple[bytes, ...]) -> bytes:
+    """``data`` with each of ``credentials`` (:func:`engine_credentials`) masked by :func:`mask_key`."""
+    for secret in credentials:
+        data = mask_key(data, secret)
+    return data
 
 
 def mask_key(data: bytes, key: bytes) -> bytes:
