@@ -340,3 +340,14 @@ def test_gateway_options_a_served_policy_cannot_hold_are_one_line():
                              env={**env, **extra})
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and said in out.stderr \
             and "\x1b" not in out.stderr, (args, out.stderr[-1500:])
+
+
+def test_a_runs_summary_is_shown_as_its_config_is(tmp_path):
+    """(Noted by the twentieth prober.) The dashboard showed a run's ``summary.json`` without the redaction its
+    ``config.json`` gets: a copied or hand-edited summary's password was shown in clear."""
+    from agl_trainer.ui.runs import load_run
+
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout_after": 0.5, "api_key": "sk-live-123",
+                                                       "redis": "redis://:hunter2pw@h:6379/0"}))
+    summary = load_run(tmp_path).summary
+    assert summary["heldout_after"] == 0.5 and summary["api_key"] == "***" and "hunter2pw" not in summary["redis"]

@@ -324,7 +324,7 @@ def load_run(path: Path) -> Run:
     lines = read_jsonl(metrics)
     mtimes = [t for p in (metrics, path / "config.json", path / "summary.json") if (t := _mtime(p)) is not None]
     return Run(run_id=path.name, path=path, config=shown_config(_read_json(path / "config.json") or {}),
-               summary=_read_json(path / "summary.json"),
+               summary=shown_config(_read_json(path / "summary.json")),  # (a copied or hand-edited one too)
                steps=[m for m in lines if "step" in m and "eval" not in m and "when" not in m],
                evals=[m for m in lines if "eval" in m or "when" in m], mtime=max(mtimes, default=0.0),
                version=version)
