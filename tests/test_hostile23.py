@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_otel import otlp  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,3 +352,27 @@ def test_a_runs_summary_is_shown_as_its_config_is(tmp_path):
                                                        "redis": "redis://:hunter2pw@h:6379/0"}))
     summary = load_run(tmp_path).summary
     assert summary["heldout_after"] == 0.5 and summary["api_key"] == "***" and "hunter2pw" not in summary["redis"]
+
+
+async def test_an_engines_echo_of_its_key_is_masked_in_the_calls_spans_too(store, redis_url, prefix, otlp,
+                                                                           monkeypatch):
+    """(Found while fixing the twenty-second prober's records.) With ``--otel`` and message content captured, a span
+    carried the call's answer as the engine wrote it: the engine key an engine (or a proxy) echoed there reached the
+    trace collector, though the agent and the record had it masked. A span is made of the record as written."""
+    from agl_common.schemas import Rollout, RolloutStatus
+    from agl_gateway import GatewaySettings, create_app
+    from fakes import Served, fake_upstream
+
+    key = "EngineKey_0123456789abcdef"
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true")
+    await store.create_rollout(Rollout(rollout_id="r1", attempt_id="0", status=RolloutStatus.running), enqueue=False)
+    with Served(fake_upstream(reply=f"auth=Bearer {key}")) as up:
+        settings = GatewaySettings(upstream=up.url, redis_url=redis_url, prefix=prefix, model="m", heartbeat_s=0.2,
+                                   upstream_key=key, otel=True)
+        with Served(create_app(settings)) as gw:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions",
+                                 json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "Bearer ****" in r.text, r.text
+    spans = otlp.app.state.spans
+    assert len(spans) == 1 and "Bearer ****" in repr(spans) and key[:16] not in repr(spans), spans

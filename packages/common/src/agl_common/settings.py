@@ -238,6 +238,25 @@ def engine_base_urls(value: str) -> list[str]:
 ENGINE_KEY_ENV = "AGL_UPSTREAM_KEY"
 
 
+def url_credentials(url: str) -> list[str]:
+    """What a client sends for the user part of ``url`` (percent-decoded), as an engine echoing the request would show
+    it: ``user:password``, its ``Basic`` base64 (what aiohttp and httpx send) and the password; a user alone (a token)
+    and the base64 of ``user:`` when there is no password. ``[]`` for a URL without a user part. The one list of an
+    engine URL's credentials: the gateway masks them in what it answers and records
+    (``agl_gateway.upstream.engine_credentials``), the trainer in an engine's answer it shows
+    (``agl_trainer.cycle._answer_excerpt``); each keeps the forms it can mask safely."""
+    import base64
+    from urllib.parse import unquote
+
+    parts = urlsplit(url)
+    if parts.username is None:
+        return []
+    user, password = unquote(parts.username), unquote(parts.password or "")
+    if password:
+        return [f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode(), password]
+    return [x for x in (user, base64.b64encode(f"{user}:".encode()).decode()) if x]
+
+
 def check_engine_key(key: str) -> str:
     """``key`` if it can be the engine's API key: 16 characters or more, letters, digits and ``._~+/=-`` (characters
     an HTTP header carries and no JSON or Python quoting escapes: the gateway masks it, and any prefix of 16

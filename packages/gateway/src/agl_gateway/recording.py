@@ -99,8 +99,8 @@ async def write(st: GatewayState, rec: dict[str, Any]) -> None:
         log.warning("record of %s/%s not written: %r", rec["rollout_id"], rec["attempt_id"], exc)
         raise store_down() from None
     st.metrics.record_seconds.observe(time.perf_counter() - t0)
-    if st.tracer is not None:  # one OpenTelemetry span per recorded call (agl_gateway.otel)
-        st.tracer.emit(rec, seq)
+    if st.tracer is not None:  # one OpenTelemetry span per recorded call (agl_gateway.otel), of the record as written
+        st.tracer.emit(orjson.loads(payload) if st.credentials else rec, seq)  # (credentials masked)
 
 
 async def write_failure(st: GatewayState, rec: dict[str, Any], err: ApiError | str, t0: float) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 from agl_common.schemas import Policy, first_listed_model
-from agl_common.settings import engine_base_urls, redacted_url
+from agl_common.settings import engine_base_urls, redacted_url, url_credentials
 
 from .engines import NoEngine
 from .errors import ApiError, engine_error
@@ -56,23 +56,15 @@ _MASKABLE = re.compile(rb"(?=[A-Za-z0-9._~+/=-]*[A-DF-Za-df-z_~/=])[A-Za-z0-9._~
 
 
 def engine_credentials(key: str | None, upstream: str) -> tuple[bytes, ...]:
-    """What the gateway sends its engines that an engine (or a proxy before it) echoing the request would show:
-    the engine's ``key`` (``Authorization: Bearer``), and for each engine URL of ``upstream`` with a user part the
-    ``Authorization: Basic`` value aiohttp sends (base64 of ``user:password``), and ``user:password``, the password
-    and a user alone (a token) when 8 characters or more — each only where :data:`_MASKABLE` (a password of other
-    characters is masked as its base64, the form a header echo shows). Round 23: the URL's credentials reached the
-    agent and the call record; only the key was masked."""
-    import base64
-    from urllib.parse import unquote, urlsplit
-
+    """What the gateway sends its engines that an engine (or a proxy before it) echoing the request would show: the
+    engine's ``key`` (``Authorization: Bearer``), and each engine URL's credentials
+    (:func:`agl_common.settings.url_credentials`: the ``Basic`` value aiohttp sends, ``user:password``, the
+    password, a token user) of 8 characters or more (a shorter one would mask the words of every answer), each only
+    where :data:`_MASKABLE` (a password of other characters is masked as its base64, the form a header echo shows).
+    Round 23: the URL's credentials reached the agent and the call record; only the key was masked."""
     out = [key.encode()] if key else []
     for url in engine_base_urls(upstream):
-        parts = urlsplit(url)
-        if parts.username is None:
-            continue
-        user, password = unquote(parts.username), unquote(parts.password or "")
-        out.append(base64.b64encode(f"{user}:{password}".encode()))
-        out += [x.encode() for x in (f"{user}:{password}", password, user if not password else "") if len(x) >= 8]
+        out += [form.encode() for form in url_credentials(url) if len(form) >= 8]
     return tuple(sorted({x for x in out if _MASKABLE.fullmatch(x)}, key=len, reverse=True))
 
 

@@ -10,7 +10,6 @@ gateway is resumed with that name and version, so every call from then on is ser
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import re
 import time
@@ -21,7 +20,7 @@ from urllib.parse import quote, unquote, urlsplit
 import httpx
 from agl_common.control import new_pause_id, pause_and_drain, resume
 from agl_common.schemas import served_names
-from agl_common.settings import ENGINE_KEY_ENV, engine_base_urls, engine_headers, printable, redacted_url
+from agl_common.settings import ENGINE_KEY_ENV, engine_base_urls, engine_headers, printable, redacted_url, url_credentials
 from agl_common.store import Store
 
 from . import compute
@@ -88,22 +87,16 @@ def _json_unescaped(text: str) -> str:
 def _answer_excerpt(body: bytes, url: str) -> str:
     """What an error message shows of engine ``url``'s answer ``body``: its first 300 characters, decoded with
     replacement and JSON's escapes read (:func:`_json_unescaped`), every credential the trainer sent it masked
-    wherever the engine echoed it — the engine key (``AGL_UPSTREAM_KEY``); the URL's password (4 characters or
-    more), ``user:password`` and its ``Basic`` base64, or its user part alone when it holds no password (a token,
-    ``key:`` included): each as is or URL-encoded, and any run of characters holding 16 or more of one in a row (a
+    wherever the engine echoed it — the engine key (``AGL_UPSTREAM_KEY``); the URL's credentials
+    (:func:`agl_common.settings.url_credentials`: its password of 4 characters or more, ``user:password`` and its
+    ``Basic`` base64, or its user part alone when it holds no password, a token, ``key:`` included): each as is or URL-encoded, and any run of characters holding 16 or more of one in a row (a
     cut an engine echoed: ``...last 20 characters``) — and any token after ``Basic``/``Bearer``; then control
     characters escaped (:func:`agl_common.settings.printable`: an engine's ESC or OSC-8 sequences reached the
     terminal). A user name beside a password is not masked alone (``admin`` masked every such word)."""
     text = _json_unescaped(body[:1200].decode("utf-8", "replace"))
-    parts = urlsplit(url)
-    secrets = [os.environ.get(ENGINE_KEY_ENV) or ""]
-    user, password = unquote(parts.username or ""), unquote(parts.password or "")
-    if password:
-        secrets += [f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode(),
-                    password if len(password) >= 4 else ""]
-    elif parts.username is not None:
-        secrets += [user, base64.b64encode(f"{user}:".encode()).decode()]
-    secrets = sorted({x for x in secrets if x}, key=len, reverse=True)
+    password = unquote(urlsplit(url).password or "")
+    secrets = [os.environ.get(ENGINE_KEY_ENV) or ""] + url_credentials(url)
+    secrets = sorted({x for x in secrets if x and (x != password or len(x) >= 4)}, key=len, reverse=True)
     for secret in secrets:
         text = text.replace(secret, "***").replace(quote(secret, safe=""), "***")
     cuts = {x[i:i + 16] for x in secrets for i in range(len(x) - 15)}
