@@ -376,3 +376,24 @@ async def test_an_engines_echo_of_its_key_is_masked_in_the_calls_spans_too(store
     assert r.status_code == 200 and "Bearer ****" in r.text, r.text
     spans = otlp.app.state.spans
     assert len(spans) == 1 and "Bearer ****" in repr(spans) and key[:16] not in repr(spans), spans
+
+
+def test_a_job_templates_escaping_filters_cannot_add_keys_to_the_pod_spec():
+    """(The twenty-third prober.) Every ``{{ }}`` of a Job template is written as JSON except ``tojson``'s output,
+    which was told apart as ``markupsafe.Markup``: but ``| e``, ``| safe``, ``| forceescape`` (and any string method
+    on their output) return ``Markup`` too, so a rollout's input through ``| e`` — the filter an operator reaches for
+    to escape — kept its newlines and added ``hostPID: true`` and a ``hostPath`` of ``/`` to the pod spec. Only this
+    environment's own ``tojson`` output is kept as written."""
+    from agl_common.schemas import Rollout
+    from agl_controller.k8s import JobRenderer
+
+    hostile = "hi\n          hostPID: true\n          volumes: [{name: r, hostPath: {path: /}}]"
+    for flt in ("e", "safe", "forceescape", "e | lower", "tojson | lower"):
+        template = ("apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
+                    "        - name: harness\n          image: registry.example.com/h:1\n"
+                    f"          args: [{{{{ input.q | {flt} }}}}, {{{{ input.n | tojson }}}}]\n")
+        spec = JobRenderer(template, "http://gw:8080", "m").render(Rollout(rollout_id="r", input={
+            "q": hostile, "n": "7"}))["spec"]["template"]["spec"]
+        assert "hostPID" not in spec and "volumes" not in spec, (flt, spec)
+        args = spec["containers"][0]["args"]
+        assert args[1] == "7" and "hostpid" in args[0].lower() and isinstance(args[0], str), (flt, args)

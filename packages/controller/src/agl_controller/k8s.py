@@ -53,7 +53,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import jinja2
-import markupsafe
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import yaml
 from agl_common.aio import within
@@ -160,11 +159,23 @@ def _unknown_keys(given: Any, parsed: Any, path: str = "") -> list[str]:
     return []
 
 
+class _JSON(str):
+    """What this environment's ``tojson`` filter wrote: JSON, kept as it is by :func:`_as_yaml_scalar`. A string
+    method called on it gives a plain ``str`` (JSON-encoded again), unlike ``markupsafe.Markup``, which ``| e``,
+    ``| safe``, ``| forceescape`` and ``| xmlattr`` return too: a rollout's input through ``| e`` kept its newlines
+    and added ``hostPID: true`` to the pod spec (round 23)."""
+
+
+def _tojson(value: Any, indent: int | None = None) -> _JSON:
+    """The ``tojson`` filter of Job templates: ``value`` as JSON (a YAML flow value)."""
+    return _JSON(json.dumps(value, indent=indent))
+
+
 def _as_yaml_scalar(value: Any) -> Any:
     """Jinja ``finalize``: a value as JSON (which YAML reads as one flow value, whatever it holds: ``"2}}, x: 1"``
-    stays a string); what ``tojson`` already wrote (``Markup``) is kept. Raises ``TypeError`` for a value JSON
-    cannot hold (the rollout's template_error)."""
-    if isinstance(value, markupsafe.Markup):
+    stays a string); what ``tojson`` already wrote (:class:`_JSON`, that type exactly) is kept. Raises ``TypeError``
+    for a value JSON cannot hold (the rollout's template_error)."""
+    if type(value) is _JSON:
         return value
     return json.dumps(value)
 
@@ -185,7 +196,7 @@ class JobRenderer:
     Templates render in Jinja2's immutable sandbox: a template (the operator's or a rollout's) reaches no Python
     object beyond the values it is given (``{{ cycler.__init__.__globals__ }}`` is a ``SecurityError``). Every
     ``{{ expression }}`` is written as JSON (:func:`_as_yaml_scalar`: a YAML flow value; ``| tojson`` output as it
-    is), so no value (a rollout's input above all) can change the manifest's structure: write
+    is, and only it: ``| e`` or ``| safe`` output is JSON-encoded as any string), so no value (a rollout's input above all) can change the manifest's structure: write
     ``cpu: {{ input.cpus }}``, ``image: {{ "repo/" ~ input.image }}``, never a ``{{ }}`` inside quotes.
     """
 
@@ -194,6 +205,7 @@ class JobRenderer:
                  prefix: str = "agl:", input_templates: bool = False):
         self.env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False,
                                                  keep_trailing_newline=True, finalize=_as_yaml_scalar)
+        self.env.filters["tojson"] = _tojson
         self.input_templates = input_templates
         self.template = template
         self.gateway_url, self.model, self.key = gateway_url, model, key
