@@ -397,3 +397,48 @@ def test_a_job_templates_escaping_filters_cannot_add_keys_to_the_pod_spec():
         assert "hostPID" not in spec and "volumes" not in spec, (flt, spec)
         args = spec["containers"][0]["args"]
         assert args[1] == "7" and "hostpid" in args[0].lower() and isinstance(args[0], str), (flt, args)
+
+
+async def test_the_anthropic_route_carries_tool_arguments_exactly_or_refuses_them(store, redis_url, prefix):
+    """(The twenty-third prober.) On ``/v1/messages``, tool-call arguments holding ``NaN``, ``Infinity`` or ``1e400``
+    reached the agent as ``null`` (LiteLLM reads them leniently, the answer wrote non-finite numbers as null) and were
+    recorded ``ok``; an integer beyond 64 bits was a 502 blaming the engine (orjson cannot write it); two engine ids
+    that LiteLLM's id rewriting makes one (``call<1``, ``call>1``) reached the agent as two ``tool_use`` blocks of one
+    id. Now the first are refused (502, an error record), the integer is carried exactly, the ids refused."""
+    import orjson
+    from fakes import Served, fake_upstream
+    from test_gateway import gateway, make_rollout
+
+    def answer(*calls: tuple[str, str]) -> bytes:
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": "f", "arguments": args}} for cid, args in calls]}
+        return orjson.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                             "prompt_token_ids": [1, 2], "usage": {"prompt_tokens": 2, "completion_tokens": 3,
+                                                                   "total_tokens": 5},
+                             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls",
+                                          "token_ids": [5, 6, 7], "logprobs": {"content": [
+                                              {"token": "x", "logprob": -0.1, "bytes": None, "top_logprobs": []}
+                                          ] * 3}}]})
+
+    body = {"model": "m", "max_tokens": 10, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "hi"}]}
+    app = fake_upstream()
+    await make_rollout(store, "r1")
+    got = {}
+    with Served(app) as up, gateway(redis_url, prefix, up.url) as gw:
+        async with httpx.AsyncClient(timeout=60) as c:
+            for name, calls in (("nan", [("call_1", '{"x": NaN, "n": 2}')]), ("inf", [("call_1", '{"x": -Infinity}')]),
+                                ("huge", [("call_1", '{"y": 1e400}')]),
+                                ("bigint", [("call_1", '{"n": 123456789012345678901234567890}')]),
+                                ("ids", [("call<1", '{"a": 1}'), ("call>1", '{"b": 2}')])):
+                app.state.plan = ("body", 200, answer(*calls))
+                for stream in (False, True):
+                    r = await c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/messages", json={**body, "stream": stream})
+                    got[name, stream] = (r.status_code, r.text)
+    for name in ("nan", "inf", "huge", "ids"):
+        for stream in (False, True):
+            assert got[name, stream][0] == 502, (name, stream, got[name, stream])
+    assert json.loads(got["bigint", False][1])["content"][0]["input"] == {"n": 123456789012345678901234567890}
+    assert "123456789012345678901234567890" in got["bigint", True][1]
+    statuses = [(c.status, c.error) for c in await store.read_calls("r1")]
+    assert [s for s, _ in statuses] == ["error"] * 6 + ["ok"] * 2 + ["error"] * 2, statuses[6:]

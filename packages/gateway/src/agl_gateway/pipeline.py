@@ -402,7 +402,7 @@ class Call:
                 answer = spec.to_agent(answer, body)
             if too_deep(answer):
                 raise MalformedUpstream(f"answer nested deeper than {MAX_JSON_DEPTH} levels")
-            out = list(spec.sse(answer, body)) if sse and spec.sse else orjson.dumps(answer)
+            out = list(spec.sse(answer, body)) if sse and spec.sse else translate.dumps(answer)
         except Exception as exc:  # noqa: BLE001 -- wrong types from the engine, or LiteLLM refusing its answer
             raise ApiError(502, f"upstream engine sent a malformed answer ({type(exc).__name__}: {exc})"[:500],
                            "server_error", "upstream_error") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 import time
@@ -105,7 +106,57 @@ async def ready() -> None:
 def _dump(obj: Any) -> dict[str, Any]:
     if isinstance(obj, dict):
         return obj
-    return orjson.loads(obj.model_dump_json(by_alias=True, exclude_none=False))
+    return json.loads(obj.model_dump_json(by_alias=True, exclude_none=False))  # (json: an integer > 64 bits exact)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` as JSON bytes: ``orjson``, or the standard library's encoder for what orjson cannot write (an integer
+    beyond 64 bits a tool call's arguments held: translated exactly, not a 502). Raises ``ValueError`` for NaN or
+    infinity (never JSON)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+class _Inexact(ValueError):
+    """Tool-call arguments an Anthropic ``input`` cannot carry as the model wrote them."""
+
+
+def _refused_constant(name: str) -> Any:
+    raise _Inexact(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Inexact(f"the number {text[:40]} is beyond a double")
+    return value
+
+
+def check_tool_arguments(answer: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless each tool call's ``arguments`` in the Chat Completions ``answer`` is JSON an
+    Anthropic ``input`` carries exactly: LiteLLM reads them leniently (``NaN``, ``Infinity``) and a number beyond a
+    double (``1e400``) becomes infinity, and the answer wrote each as ``null``: the agent ran its tool with values the
+    model never wrote, recorded ``ok`` (round 23). A lone surrogate (``"\\ud800"``) is no text either. Arguments
+    that are no JSON at all are left to LiteLLM's own error, as before."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    message = choices[0].get("message") if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
+        else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    for call in calls if isinstance(calls, list) else []:
+        args = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+        if not isinstance(args, str) or not args.strip():
+            continue
+        try:
+            json.dumps(json.loads(args, parse_constant=_refused_constant, parse_float=_finite),
+                       ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("a tool call's arguments hold a lone surrogate (no text)") from None
+        except _Inexact as exc:
+            raise ValueError(f"a tool call's arguments: {exc}") from None
+        except (ValueError, RecursionError):
+            continue
 
 
 # What each translated route carries to the engine faithfully. LiteLLM's adapters drop, without a word, a
@@ -327,7 +378,12 @@ def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
 def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """Chat Completions answer → Anthropic message (``model`` as the agent asked)."""
     litellm, adapter, _ = _litellm()
+    check_tool_arguments(answer)
     out = _dump(adapter.translate_completion_output_params(litellm.ModelResponse(**answer)))
+    ids = [b.get("id") for b in out.get("content") or [] if isinstance(b, dict) and b.get("type") == "tool_use"]
+    if len(set(ids)) < len(ids):  # (LiteLLM rewrites ids to [A-Za-z0-9_-]: call<1 and call>1 became one)
+        raise ValueError(f"two tool calls' ids read as one on the Anthropic route ({sorted(ids)[:4]!r:.200}): the agent "
+                         "could not tell their results apart")
     out["model"] = body.get("model", out.get("model"))
     # an answer cut by one of the agent's stop sequences says so (vLLM names the matched string in the choice's
     # ``stop_reason``; LiteLLM's adapter reads only ``finish_reason`` and said ``end_turn``)
@@ -345,7 +401,7 @@ def anthropic_sse(message: dict[str, Any], body: dict[str, Any] | None = None) -
     blocks, each as Anthropic streams it)."""
 
     def event(name: str, data: dict) -> bytes:
-        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        return b"event: " + name.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
     usage = message.get("usage") or {}
     start = {**message, "content": [], "stop_reason": None,
@@ -356,7 +412,7 @@ def anthropic_sse(message: dict[str, Any], body: dict[str, Any] | None = None) -
             yield event("content_block_start", {"type": "content_block_start", "index": i,
                                                 "content_block": {**block, "input": {}}})
             yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": orjson.dumps(block.get("input") or {}).decode()}})
+                "type": "input_json_delta", "partial_json": dumps(block.get("input") or {}).decode()}})
         elif block.get("type") == "thinking":  # as the complete answer holds it, not as an empty text block
             yield event("content_block_start", {"type": "content_block_start", "index": i,
                                                 "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
