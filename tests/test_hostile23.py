@@ -442,3 +442,46 @@ async def test_the_anthropic_route_carries_tool_arguments_exactly_or_refuses_the
     assert "123456789012345678901234567890" in got["bigint", True][1]
     statuses = [(c.status, c.error) for c in await store.read_calls("r1")]
     assert [s for s, _ in statuses] == ["error"] * 6 + ["ok"] * 2 + ["error"] * 2, statuses[6:]
+
+
+async def test_round_23s_gateway_fixes_as_the_twenty_fourth_prober_found_them(store, redis_url, prefix):
+    """(The twenty-fourth prober, on round 23's fixes.) An engine password with an accent showed as the base64 aiohttp
+    sends (latin-1; the list held the UTF-8 one); an engine URL whose user part aiohttp cannot send (a character
+    beyond latin-1, a ``:`` in the user) was accepted and every call a 500 with a traceback; ``user:password`` was
+    never masked (``:`` was not a maskable character); a stored policy this version cannot read stopped the control
+    loop before it listened (no pause was ever applied); a call to a rollout whose record it cannot read was a 500 and
+    a traceback per call."""
+    import base64
+
+    from agl_common.control import pause_and_drain, resume
+    from agl_gateway.settings import GatewaySettings
+    from agl_gateway.upstream import engine_credentials
+    from fakes import Served, fake_upstream
+    from pydantic import ValidationError
+    from test_gateway import MSG, gateway, make_rollout
+
+    got = engine_credentials(None, "http://bob:p%C3%A9ssw0rd-long@h:1")
+    assert base64.b64encode("bob:péssw0rd-long".encode("latin-1")) in got
+    assert b"bob:s3cret" in engine_credentials(None, "http://bob:s3cret@h:1")
+    for url in ("http://u:%E5%AF%86%E7%A0%81-secret@h:1", "http://a%3Ab:pw-secret@h:1"):
+        with pytest.raises(ValidationError, match="cannot be sent as Basic credentials"):
+            GatewaySettings(upstream=url)
+
+    await make_rollout(store, "r1")
+    await make_rollout(store, "odd")
+    await store.r.set(store.rollout_key("rollout", "odd"), '{"rollout_id": "odd", "status": "scheduled"}')
+    await store.r.set(store.key("policy"), '{"model": "fake", "version": -1}')
+    with Served(fake_upstream()) as up, gateway(redis_url, prefix, up.url) as gw:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{gw.url}/rollouts/odd/attempts/0/v1/chat/completions", json=MSG)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_unreadable", r.text
+            await pause_and_drain(store, timeout_s=10, pause_id="p1")
+            try:
+                import asyncio
+
+                held = asyncio.create_task(c.post(f"{gw.url}/rollouts/r1/attempts/0/v1/chat/completions", json=MSG))
+                await asyncio.sleep(1.0)
+                assert not held.done()  # (held by the pause)
+            finally:
+                await resume(store, release="p1")
+            assert (await held).status_code == 200

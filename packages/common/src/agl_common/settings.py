@@ -240,8 +240,9 @@ ENGINE_KEY_ENV = "AGL_UPSTREAM_KEY"
 
 def url_credentials(url: str) -> list[str]:
     """What a client sends for the user part of ``url`` (percent-decoded), as an engine echoing the request would show
-    it: ``user:password``, its ``Basic`` base64 (what aiohttp and httpx send) and the password; a user alone (a token)
-    and the base64 of ``user:`` when there is no password. ``[]`` for a URL without a user part. The one list of an
+    it: ``user:password``, its ``Basic`` base64 (what httpx sends, UTF-8, and aiohttp, latin-1: round 23, a password
+    with an accent showed) and the password; a user alone (a token) and the base64 of ``user:`` when there is no
+    password. ``[]`` for a URL without a user part. The one list of an
     engine URL's credentials: the gateway masks them in what it answers and records
     (``agl_gateway.upstream.engine_credentials``), the trainer in an engine's answer it shows
     (``agl_trainer.cycle._answer_excerpt``); each keeps the forms it can mask safely."""
@@ -252,9 +253,12 @@ def url_credentials(url: str) -> list[str]:
     if parts.username is None:
         return []
     user, password = unquote(parts.username), unquote(parts.password or "")
+    pair = f"{user}:{password}"
+    basic = [base64.b64encode(pair.encode(codec)).decode() for codec in ("utf-8", "latin-1")  # (httpx: UTF-8;
+             if pair.encode(codec, "ignore").decode(codec) == pair]  # aiohttp: latin-1, where it can)
     if password:
-        return [f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode(), password]
-    return [x for x in (user, base64.b64encode(f"{user}:".encode()).decode()) if x]
+        return list(dict.fromkeys([pair, *basic, password]))
+    return list(dict.fromkeys(x for x in (user, *basic) if x))
 
 
 def check_engine_key(key: str) -> str:

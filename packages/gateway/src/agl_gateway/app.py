@@ -14,7 +14,7 @@ import orjson
 from agl_common.aio import wait_until
 from agl_common.schemas import ControlCommand, Policy, ReplicaStatus
 from agl_common.settings import allowed_hosts
-from agl_common.store import REPLICA_LATE_S, Store, StoreRefused
+from agl_common.store import REPLICA_LATE_S, Store, StoreRefused, UnreadableRecord
 from fastapi import FastAPI, Request
 from redis.exceptions import RedisError
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -264,11 +264,18 @@ async def _discover_model(st: GatewayState) -> None:
 
 
 async def _sync_from_store(st: GatewayState) -> None:
-    """Converge on the stored policy and last command (for replicas that start late or missed a message)."""
-    policy = await st.store.get_policy()
+    """Converge on the stored pauses and policy (for replicas that start late or missed a message). The pauses come
+    first: a stored policy this version cannot read (``UnreadableRecord``) is logged and left (the one served stays),
+    never a reason to skip a pause (round 23: it was, and the control loop, reading it as a lost connection, never
+    listened again: no pause was ever applied)."""
+    hold(st, await st.store.pauses())
+    try:
+        policy = await st.store.get_policy()
+    except UnreadableRecord as exc:
+        log.warning("%s; serving %s until a resume names a policy", exc, st.policy.model if st.policy else "none yet")
+        return
     if policy is not None:
         st.policy = policy
-    hold(st, await st.store.pauses())
 
 
 async def _control_loop(st: GatewayState, pubsub: Any = None) -> None:

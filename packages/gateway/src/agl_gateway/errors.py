@@ -6,6 +6,7 @@ this rollout (404) or attempt (409), retry later (502/503/504).
 
 from __future__ import annotations
 
+from agl_common.store import UnreadableRecord
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -73,6 +74,11 @@ def install_handlers(app) -> None:
     async def _api_error(request: Request, exc: ApiError):
         return JSONResponse(error_body(request, exc.status, exc.message, exc.type, exc.code),
                             status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(UnreadableRecord)  # (another version's rollout record: one answer, no traceback per call)
+    async def _unreadable(request: Request, exc: UnreadableRecord):
+        return JSONResponse(error_body(request, 409, str(exc), "invalid_request_error", "rollout_unreadable"),
+                            status_code=409)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -67,7 +67,17 @@ class GatewaySettings(CommonSettings):
     @field_validator("upstream")
     @classmethod
     def _upstream_is_engine_urls(cls, v: str) -> str:
-        engine_base_urls(v)  # ValueError for an entry that is not an http(s) URL: a usage error at start
+        import aiohttp
+        from yarl import URL
+
+        for url in engine_base_urls(v):  # ValueError for an entry that is not an http(s) URL: a usage error at start
+            try:  # the user part as aiohttp sends it (latin-1, no ":" in the user): every call was a 500 before
+                auth = aiohttp.BasicAuth.from_url(URL(url))
+                if auth is not None:
+                    auth.encode()
+            except (ValueError, UnicodeError) as exc:  # (UnicodeEncodeError is a ValueError)
+                raise ValueError(f"the engine URL's user part cannot be sent as Basic credentials ({type(exc).__name__}"
+                                 "): latin-1 characters only, no ':' in the user") from None
         return v
 
     @field_validator("redis_url")

@@ -52,7 +52,8 @@ KEY_PREFIX_MASKED = 16
 
 #: What a credential must be made of to be masked in a JSON body byte for byte (``*``): characters no JSON encoder
 #: escapes and none of its syntax, with one that is no part of a JSON number (a masked number breaks an answer).
-_MASKABLE = re.compile(rb"(?=[A-Za-z0-9._~+/=-]*[A-DF-Za-df-z_~/=])[A-Za-z0-9._~+/=-]+")
+_MASKABLE = re.compile(rb"(?=[A-Za-z0-9._~+/=:-]*[A-DF-Za-df-z_~/=:])[A-Za-z0-9._~+/=:-]+")  # (":": user:password;
+# outside a string JSON's colon follows a quote, which no credential masked here holds)
 
 
 def engine_credentials(key: str | None, upstream: str) -> tuple[bytes, ...]:
