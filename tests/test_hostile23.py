@@ -485,3 +485,97 @@ async def test_round_23s_gateway_fixes_as_the_twenty_fourth_prober_found_them(st
             finally:
                 await resume(store, release="p1")
             assert (await held).status_code == 200
+
+
+def test_any_broken_tokenizer_file_is_one_line_and_eos_ids_are_token_ids(tmp_path):
+    """(The twenty-fourth prober.) ``train`` with a truncated ``tokenizer.json`` (or a ``tokenizer_config.json`` that is
+    a list, nested too deeply...) was a 137-line traceback: only round 23's own checks were one line. Whatever loading
+    the tokenizer raises is one line naming the directory; an ``eos_token_id`` of 2.9, ``"2"`` or -7 was read as an id."""
+    import shutil
+
+    from agl_trainer.model import ModelFilesError, load_vocabulary
+
+    tiny = ROOT / "packages" / "trainer" / "src" / "agl_trainer" / "assets" / "tiny-tokenizer"
+    for name, text in (("tokenizer.json", (tiny / "tokenizer.json").read_text()[:100]),
+                       ("tokenizer_config.json", "[1, 2]"), ("tokenizer_config.json", "[" * 100_000)):
+        model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny, model)
+        (model / name).write_text(text)
+        with pytest.raises(ModelFilesError, match="cannot load the tokenizer in"):
+            load_vocabulary(model)
+    model = tmp_path / "eos"
+    shutil.copytree(tiny, model)
+    for bad in (2.9, "2", -7, [2, True]):
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ModelFilesError, match="eos_token_id"):
+            load_vocabulary(model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert {0, 2} <= load_vocabulary(model).eos_ids
+
+
+def test_a_controller_skips_a_rollout_it_cannot_read_in_one_line(tmp_path, redis_url, prefix):
+    """(The twenty-fourth prober.) A queued rollout whose record this version cannot read made the controller log
+    "failed unexpectedly" and then a traceback at every reconcile, for ever, its claim kept. It is skipped in one line,
+    its claim released, the record left as it is."""
+    import redis as sync_redis
+
+    from agl_common.store import Store
+
+    assert _cli("rollouts", "create", "--input", "{}", "--id", "odd-1", "--redis", redis_url,
+                "--prefix", prefix).returncode == 0
+    r = sync_redis.Redis.from_url(redis_url)
+    key = Store(redis_url, prefix).rollout_key("rollout", "odd-1")
+    r.set(key, r.get(key).replace(b'"status":"queuing"', b'"status":"scheduled"'))
+    proc = subprocess.Popen([sys.executable, "-m", "agl_controller", "run", "--command", "true", "--lease-ttl", "3",
+                             "--log-dir", str(tmp_path / "logs"), "--controller-id", "c23", "--redis", redis_url,
+                             "--prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=12)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in out and out.count("odd-1") == 1 and "cannot be read" in out, out[-3000:]
+    assert b'"status":"scheduled"' in r.get(key)
+    assert not [k for k in r.scan_iter(f"{prefix}*") if b"claim" in k and r.type(k) == b"list" and r.llen(k)]
+
+
+async def test_round_23s_evaluation_fixes_as_the_twenty_fifth_prober_found_them(store, tmp_path, monkeypatch):
+    """(The twenty-fifth prober: ``eval`` and its data.) An evaluation out of time (or interrupted) left its rollouts
+    queued, and the next controller on the prefix ran them under another policy, recorded ``succeeded`` under the first
+    evaluation's run; its time in all was ``4 × rollout_timeout_s`` whatever its size; an ``is_correct`` failing on an
+    input but the first was a traceback after the whole evaluation; the reward histogram lost counts (a later value
+    printed alike overwrote an earlier one); MLflow refused a histogram key of ``2e+06`` after the whole run; a run's
+    own ``config.json`` was refused by ``--config`` for ``eval_size`` below 64; ``WANDB_MODE`` was read only when the
+    tracker opened, after the evaluation."""
+    from agl_common.schemas import RolloutStatus
+    from agl_trainer.algorithm.evalstats import reward_distribution
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.scheduler import eval_timeout_s, evaluate
+    from agl_trainer.tasks import TaskError, load_is_correct
+    from agl_trainer.trackers import MlflowTracker, check_trackers
+
+    with pytest.raises(TimeoutError):  # (no controller runs them)
+        await evaluate(store, [{"q": 1}, {"q": 2}], "ev-1", 0, 0.1, lambda t, r: True, n=2)
+    rollouts = await store.get_rollouts(await store.rollout_ids())
+    assert len(rollouts) == 4 and {(r.status, r.failure) for r in rollouts} == {(RolloutStatus.failed, "withdrawn")}
+    assert eval_timeout_s(5, 10, 1) == 65 and eval_timeout_s(600, 2048, 32) == 600 * 67
+
+    (tmp_path / "task.py").write_text("def is_correct(task, reward):\n    return task['answer'] == 1\n")
+    check = load_is_correct(tmp_path / "task.py")
+    assert check({"answer": 1}, 1.0) is True
+    with pytest.raises(TaskError, match=r"is_correct\(input, 1.0\) raised KeyError"):
+        check({"q": 2}, 1.0)
+
+    for values, n in (([0.1234561, 0.1234562, 0.1234562], 3), ([1 + i * 1e-5 for i in range(11)], 11)):
+        assert sum(reward_distribution(values)["hist"].values()) == n, reward_distribution(values)["hist"]
+
+    tracker = MlflowTracker(tmp_path / "runs" / "r1", "r1")
+    tracker.log_eval("after", {"reward": {"hist": {"2e+06": 1, "0": 3}}}, 0)
+    tracker.close()
+
+    shown = TrainConfig(eval_size=8).shown()
+    assert TrainConfig.model_validate(shown).eval_subset == 8
+
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(ValueError, match="WANDB_MODE"):
+        check_trackers(["wandb"])

@@ -34,7 +34,7 @@ from typing import Any
 
 from agl_common.aio import wait_until
 from agl_common.schemas import CallRecord, Rollout, RolloutStatus, answer_text, check_rollout_id
-from agl_common.store import CallsRecordedSince, RolloutNotFound, Store
+from agl_common.store import CallsRecordedSince, RolloutNotFound, Store, UnreadableRecord
 
 from .reward import RewardFunctionError, RewardPool, load_reward_fn  # noqa: F401 (re-exported)
 
@@ -275,7 +275,9 @@ class Runner:
         """Decide what to do with a claim adopted from a dead controller (now in our processing list)."""
         try:
             rollout = await self.store.get_rollout(rollout_id)
-        except RolloutNotFound:
+        except (RolloutNotFound, UnreadableRecord) as exc:  # (another version's record: left as it is, unclaimed)
+            if isinstance(exc, UnreadableRecord):
+                log.warning("%s: its claim is released, the rollout left as it is", exc)
             await self.store.release_claim(self.controller_id, rollout_id)
             return
         if rollout.status == RolloutStatus.queuing:
@@ -306,6 +308,10 @@ class Runner:
             rollout = await self.store.update_rollout(rollout_id, change)
         except (Stale, RolloutNotFound):
             log.info("claimed rollout %s is missing or not queuing; skipped", rollout_id)
+            await self.store.release_claim(self.controller_id, rollout_id)
+            return None
+        except UnreadableRecord as exc:  # (another version's record, or a hand's: round 23, a traceback per reconcile)
+            log.warning("%s: skipped, its claim released", exc)
             await self.store.release_claim(self.controller_id, rollout_id)
             return None
         self._attempts[rollout_id] = rollout.attempt_id

@@ -417,6 +417,31 @@ def check(cap: Captured, sent_prompt: list[int] | None = None, truncated: bool =
     return token_id_fault(cap.prompt_token_ids, cap.response_token_ids) or logprob_fault(cap.response_logprobs or [])
 
 
+def _take_strings(fields: dict[str, Any], path: tuple[str, ...], pieces: dict[tuple[str, ...], list[str]]) -> None:
+    """Move every string of ``fields`` (at any depth of objects, not inside lists) into ``pieces`` under its path:
+    the OpenAI SDK's merge joins strings (``acc += piece``), which copied the whole string at each chunk — quadratic in
+    a stream's length, for ``reasoning_content``, a legacy ``function_call``'s arguments or any unknown string field
+    (round 23: 64 MB took minutes on the event loop). The rest is merged by the SDK; :func:`_put` puts them back."""
+    for name in list(fields):
+        value = fields[name]
+        if isinstance(value, str):
+            pieces.setdefault((*path, name), []).append(fields.pop(name))
+        elif isinstance(value, dict):
+            _take_strings(value, (*path, name), pieces)
+
+
+def _put(obj: dict[str, Any], path: tuple[str, ...], value: str) -> None:
+    """Set ``value`` at ``path`` in ``obj`` (objects made where missing; a path through a value of another type, a
+    field an engine sent as two types, keeps what the SDK's merge made)."""
+    for name in path[:-1]:
+        obj = obj.setdefault(name, {})
+        if not isinstance(obj, dict):
+            return
+    if not isinstance(obj.get(path[-1], ""), str):
+        return
+    obj[path[-1]] = value
+
+
 class StreamCapture:
     """Accumulates a live chat stream (vLLM chunks with ``return_token_ids`` and ``logprobs`` on) into a
     :class:`Captured` and the complete ``chat.completion`` the agent was sent, and cleans each chunk for
@@ -435,7 +460,7 @@ class StreamCapture:
         self.other: dict[str, Any] = {}  # the delta's other fields (``function_call``, ``audio``...), as the agent got them
         # (the string fields' pieces, joined once at the end: joining them per chunk, as the SDK's merge does, was
         # quadratic in a stream's length; round 23)
-        self.pieces: dict[str, list[str]] = {}
+        self.pieces: dict[tuple[str, ...], list[str]] = {}  # (each string's path in the message: its pieces)
         self.first: dict[str, Any] | None = None
 
     def feed(self, chunk: Any) -> tuple[dict[str, Any] | None, int]:
@@ -491,7 +516,7 @@ class StreamCapture:
             for name in fields.keys() & set(TEXT_FIELDS):
                 if not isinstance(fields[name], str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")
-                self.pieces.setdefault(name, []).append(fields.pop(name))  # (the SDK's merge of strings: joined)
+            _take_strings(fields, (), self.pieces)  # (the SDK's merge of strings, joined once in result())
             try:  # the OpenAI SDK's own merge of a delta: the record holds the message the agent's SDK built (a
                 # function_call streamed in pieces kept its last piece; a late "" replaced a recorded object)
                 accumulate_delta(self.other, copy.deepcopy(fields))
@@ -537,11 +562,13 @@ class StreamCapture:
         """The :class:`Captured` and the complete ``chat.completion`` the stream amounts to (``None``, with
         ``error`` set, if it nests deeper than :data:`MAX_JSON_DEPTH`)."""
         cap = self.cap
-        texts = {name: "".join(pieces) for name, pieces in self.pieces.items()}
-        cap.said = bool("".join(self.text) or self.tool_calls or any(texts.values()))
+        other = copy.deepcopy(self.other)
+        for path, pieces in self.pieces.items():
+            _put(other, path, "".join(pieces))
+        cap.said = bool("".join(self.text) or self.tool_calls or any(other.get(k) for k in TEXT_FIELDS))
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **self.other, **texts}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text), **other}
         if self.tool_calls:
             message["tool_calls"] = [{**self.tool_calls[k], "function": {
                 part: "".join(pieces) for part, pieces in self.tool_calls[k]["function"].items()}}

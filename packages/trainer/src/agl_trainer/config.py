@@ -322,7 +322,9 @@ class TrainConfig(_NoBooleanNumbers):
             data["engine_url"] = redacted_urls(self.engine_url)
         if self.gateway_url:
             data["gateway_url"] = redacted_url(self.gateway_url)
-        return data
+        if self.eval_size:  # the subset in effect (the first eval_size at most): a run's own config.json, read back
+            data["eval_subset"] = min(self.eval_subset, self.eval_size)  # (rollouts show/export --config), was
+        return data  # refused for eval_size < 64 ("eval_subset is larger than eval_size"; round 23)
 
     def base_policy(self) -> Policy:
         """Policy version 0: the base model, for every role too (with :attr:`roles`)."""

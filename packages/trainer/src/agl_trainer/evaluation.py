@@ -206,8 +206,8 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
     try:
         await store.set_policy(policy.policy(cfg))
         await resume(store, policy=policy.policy(cfg))
-        return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s * 4, is_correct,
-                              on_progress, n=n, run=run)
+        return await evaluate(store, heldout, tag, policy.version, cfg.rollout_timeout_s, is_correct,
+                              on_progress, n=n, run=run, concurrency=cfg.concurrency)
     finally:
         await store.close()
 

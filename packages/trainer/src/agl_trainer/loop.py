@@ -125,8 +125,9 @@ class TrainingRun:
         t = time.perf_counter()
         task = self.progress.add_task(f"held-out eval ({when}, n={len(problems)})", total=len(problems))
         res = await evaluate(self.store, problems, f"{self.run_dir.name}-eval-{when}-{uuid.uuid4().hex[:6]}",
-                             self.version, self.cfg.rollout_timeout_s * 4, self.is_correct,
-                             lambda d, _t: self.progress.update(task, completed=d), run=self.run_dir.name)
+                             self.version, self.cfg.rollout_timeout_s, self.is_correct,
+                             lambda d, _t: self.progress.update(task, completed=d), run=self.run_dir.name,
+                             concurrency=self.cfg.concurrency)
         self.progress.remove_task(task)
         head = res["correct"][: len(self.subset)]
         res.update(when=when, step=step, policy_version=self.version, minutes=self.train_s / 60,

@@ -93,10 +93,10 @@ def end_of_turn_ids(tokenizer, model_dir=None) -> set[int]:
         if path.exists():
             data = _json_file(path)
             value = data.get("eos_token_id") if isinstance(data, dict) else None
-            try:
-                ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
-            except (TypeError, ValueError, OverflowError):
-                raise ModelFilesError(f"{path}: eos_token_id is no token id or list of them") from None
+            values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+            if not all(type(v) is int and v >= 0 for v in values):  # (2.9 read as 2, "2" as 2, -7 kept: round 23)
+                raise ModelFilesError(f"{path}: eos_token_id is no token id or list of them")
+            ids.update(values)
     return ids
 
 
@@ -154,13 +154,17 @@ def embedded_ids(tokenizer, model_dir=None) -> int:
 def load_vocabulary(model_dir: str | Path):
     """The :class:`~agl_trainer.algorithm.aggregate.Vocabulary` of the model in ``model_dir`` (``AutoTokenizer``,
     :func:`end_of_turn_ids`, :func:`embedded_ids`): what training, export and the dashboard build rows with.
-    Raises ``OSError`` (transformers) if the directory holds no tokenizer, :class:`ModelFilesError` for a file that
-    cannot be read (:func:`check_model_files`, then its JSON files)."""
+    Raises :class:`ModelFilesError` (one line naming the directory or file) for any file that cannot be read
+    (:func:`check_model_files`, then whatever transformers raises for a missing or broken tokenizer file: an
+    ``OSError``, a ``JSONDecodeError``, a bare ``Exception`` of the tokenizers library; then its JSON files)."""
     from transformers import AutoTokenizer
 
     from .algorithm.aggregate import Vocabulary
 
     check_model_files(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - (round 23: a truncated tokenizer.json was a 137-line traceback in train)
+        raise ModelFilesError(f"cannot load the tokenizer in {model_dir}: {type(exc).__name__}: {exc}"[:600]) from None
     return Vocabulary(decode=tokenizer.decode, eos_ids=frozenset(end_of_turn_ids(tokenizer, model_dir)),
                       size=embedded_ids(tokenizer, model_dir))

@@ -19,6 +19,8 @@ is lost and none is trained twice. Statuses, not entries, decide completion (an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import random
 import re
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agl_common.schemas import GroupInfo, Rollout, TERMINAL
+from agl_common.schemas import TERMINAL, GroupInfo, Rollout, RolloutStatus
 from agl_common.store import Store
 
 from .algorithm.evalstats import eval_stats
@@ -70,12 +72,41 @@ async def wait_terminal(store: Store, ids: list[str], timeout_s: float,
         await asyncio.sleep(0.5)
 
 
-async def evaluate(store: Store, problems: list[dict], tag: str, version: int, timeout_s: float,
+async def withdraw(store: Store, ids: list[str]) -> int:
+    """End each rollout of ``ids`` still ``queuing`` as ``failed`` (``withdrawn``): an evaluation interrupted or out
+    of time left them queued, and the next controller on the prefix ran them first, under another policy, recorded
+    ``succeeded`` under the first evaluation's run (round 23). Returns how many were withdrawn; a rollout already
+    running is left to finish."""
+    from agl_common.store import RolloutNotFound, UnreadableRecord
+
+    withdrawn = 0
+
+    def change(r: Rollout) -> None:
+        nonlocal withdrawn
+        if r.status == RolloutStatus.queuing:
+            r.status, r.failure, r.ended_at = RolloutStatus.failed, "withdrawn", time.time()
+            withdrawn += 1
+
+    for rid in ids:
+        with contextlib.suppress(RolloutNotFound, UnreadableRecord):
+            await store.update_rollout(rid, change)
+    return withdrawn
+
+
+def eval_timeout_s(rollout_timeout_s: float, rollouts: int, concurrency: int) -> float:
+    """How long an evaluation of ``rollouts`` may take in all: ``rollout_timeout_s`` per wave of ``concurrency``
+    rollouts, and three more (queueing, harness start-up). It was ``4 * rollout_timeout_s`` whatever its size: 256
+    problems × 8 samples at concurrency 32 failed unless each wave took under 11 s (round 23)."""
+    return rollout_timeout_s * (math.ceil(rollouts / max(1, concurrency)) + 3)
+
+
+async def evaluate(store: Store, problems: list[dict], tag: str, version: int, rollout_timeout_s: float,
                    is_correct: Callable[[dict, float | None], bool],
                    on_progress: Callable[[int, int], None] | None = None, n: int = 1,
-                   run: str | None = None) -> dict:
+                   run: str | None = None, concurrency: int = 1) -> dict:
     """``n`` rollouts per held-out problem (one group each) under the current policy; a failed rollout counts
-    as wrong.
+    as wrong. It waits :func:`eval_timeout_s` in all (``TimeoutError``); interrupted or out of time, the rollouts it
+    created that no controller has started are withdrawn (:func:`withdraw`).
 
     Returns :func:`agl_trainer.algorithm.evalstats.eval_stats`: ``accuracy`` (solved / rollouts, solved as the task's
     ``is_correct(input, reward)`` says, :func:`agl_trainer.tasks.load_is_correct`), ``n`` (rollouts), ``failed``, ``reward_mean``, ``correct`` (one 0/1 per rollout, in
@@ -83,7 +114,14 @@ async def evaluate(store: Store, problems: list[dict], tag: str, version: int, t
     per-rollout ``rewards``.
     """
     ids = await create_rollouts(store, problems, n, tag, version, run=run)
-    return eval_stats(await wait_terminal(store, ids, timeout_s, on_progress), is_correct)
+    try:
+        rollouts = await wait_terminal(store, ids, eval_timeout_s(rollout_timeout_s, len(ids), concurrency),
+                                       on_progress)
+    except BaseException:  # (TimeoutError; Ctrl-C: asyncio.run cancels this task, which may still await here)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(withdraw(store, ids))
+        raise
+    return eval_stats(rollouts, is_correct)
 
 
 

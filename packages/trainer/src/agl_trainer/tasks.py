@@ -110,7 +110,18 @@ def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Cal
     module = _task_module(task_file)
     if (fn or "is_correct") == "is_correct" and not callable(getattr(module, "is_correct", None)):
         return default_is_correct
-    return _task_function(module, task_file, fn)
+    user = _task_function(module, task_file, fn)
+
+    def is_correct(task: dict, reward: float | None) -> bool:
+        """The task file's function, any error of it a :class:`TaskError` naming it (one line: an error on an input
+        but the first checked at start was a traceback after a whole evaluation; round 23)."""
+        try:
+            return bool(user(task, reward))
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code
+            raise TaskError(f"task file {task_file}: {fn}(input, {reward!r}) raised {type(exc).__name__}: "
+                            f"{exc}"[:500]) from exc
+
+    return is_correct
 
 
 def check_task(cfg: TrainConfig, train: bool = True) -> None:
@@ -132,10 +143,11 @@ def check_task(cfg: TrainConfig, train: bool = True) -> None:
     sample = Rollout(rollout_id="check", input=(heldout or train_inputs)[0]).model_dump(mode="json")["input"]
     for reward in (0.0, 1.0):  # on one input: a judge that fails on every input fails here, not after vLLM started
         try:
-            bool(is_correct(sample, reward))  # (the input as a rollout holds it)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function, reported as theirs
+            is_correct(sample, reward)  # (the input as a rollout holds it)
+        except TaskError as exc:  # (load_is_correct's wrapper: the user's own error is its cause)
+            cause = exc.__cause__
             raise TaskError(f"task file {cfg.task_file}: {cfg.correct_fn}(input, {reward}) failed on the first "
-                            f"input: {type(exc).__name__}: {exc}") from None
+                            f"input: {type(cause).__name__}: {cause}") from None
 
 
 def check_controller_imports(cfg: TrainConfig) -> None:

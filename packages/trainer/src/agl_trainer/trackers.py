@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -71,6 +72,10 @@ def mlflow_uri(out_dir: Path) -> str:
     return f"sqlite:///{path}"
 
 
+#: The values of ``WANDB_MODE`` wandb takes.
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+
+
 def check_trackers(names: Iterable[str], out_dir: Path | None = None) -> list[str]:
     """Validate tracker names; returns them without duplicates, in order. With ``out_dir`` (where the run
     directories go), also what each tracker derives from it (:func:`mlflow_uri`).
@@ -90,7 +95,9 @@ def check_trackers(names: Iterable[str], out_dir: Path | None = None) -> list[st
             raise TrackerMissing(f"logger {name!r} needs {', '.join(missing)}: pip install {INSTALL[name]}")
         if name == "mlflow" and out_dir is not None:
             mlflow_uri(out_dir)
-        out.append(name)
+        if name == "wandb" and os.environ.get("WANDB_MODE", "online") not in WANDB_MODES:  # (read by wandb only
+            raise ValueError(f"WANDB_MODE {os.environ['WANDB_MODE']!r:.40}: one of {', '.join(WANDB_MODES)}")  # when
+        out.append(name)  # the tracker opened, after a whole evaluation: round 23)
     return out
 
 
@@ -245,8 +252,9 @@ class MlflowTracker:
 
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in data.items() if math.isfinite(v)]
+        now = int(time.time() * 1000)  # (MLflow's names: alphanumerics, _ - . space / only: a histogram key of a
+        metrics = [Metric(re.sub(r"[^\w\-. /]", "_", k, flags=re.ASCII), v, now, step)  # reward of 2e+06 was
+                   for k, v in data.items() if math.isfinite(v)]  # an MlflowException after the whole run; round 23)
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 

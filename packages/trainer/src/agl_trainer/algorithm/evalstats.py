@@ -98,12 +98,15 @@ def reward_distribution(values: list[float]) -> dict:
     xs = sorted(values)
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
     distinct = Counter(xs)
-    if len(distinct) <= 10:
-        hist = {f"{v:g}": c for v, c in sorted(distinct.items())}
+    hist: dict[str, int] = {}  # (keys are printed values: two that print alike share one key and add up: round 23,
+    if len(distinct) <= 10:  # a later count overwrote an earlier one, 3 rollouts counted 2)
+        for v, c in sorted(distinct.items()):
+            hist[f"{v:.12g}"] = hist.get(f"{v:.12g}", 0) + c
     else:
         lo, hi = xs[0], xs[-1]
         width = (hi - lo) / 10
         counts = Counter(min(9, int((x - lo) / width)) for x in xs)
-        hist = {f"{lo + b * width:.4g}": counts.get(b, 0) for b in range(10)}
+        for b in range(10):
+            hist[f"{lo + b * width:.4g}"] = hist.get(f"{lo + b * width:.4g}", 0) + counts.get(b, 0)
     return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "min": xs[0], "p25": q[0],
             "median": q[1], "p75": q[2], "max": xs[-1], "hist": hist}
