@@ -579,3 +579,19 @@ async def test_round_23s_evaluation_fixes_as_the_twenty_fifth_prober_found_them(
     monkeypatch.setenv("WANDB_MODE", "ofline")
     with pytest.raises(ValueError, match="WANDB_MODE"):
         check_trackers(["wandb"])
+
+
+def test_a_record_edited_in_redis_is_not_made_a_row():
+    """(The twenty-fifth prober.) A call record edited in Redis (6 response ids, 2 logprobs, one of them +5.0) was
+    exported as a training row (``has_logprobs: true``) and would have been trained: ``record_fault`` checked records
+    where they are written only. The row builder reads each record under the same rule."""
+    from agl_common.schemas import CallRecord
+    from agl_trainer.algorithm.aggregate import AggregateStats, build_rows
+
+    def record(lps):
+        return CallRecord(rollout_id="r", attempt_id="0", seq=0, route="chat", request={}, response=None, status="ok",
+                          prompt_token_ids=[1, 2], response_token_ids=[3, 4, 5, 6, 7, 8], response_logprobs=lps)
+
+    stats = AggregateStats()
+    assert build_rows([record([5.0, -0.2])], stats=stats) == [] and stats.skipped_calls["record_fault"] == 1
+    assert len(build_rows([record([-0.1] * 6)])) == 1

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agl_common.schemas import CallRecord, sampling_not_plain
+from agl_common.schemas import CallRecord, record_fault, sampling_not_plain
 
 #: Merge-break classes, in the order they are tested (see the module docstring).
 BREAK_CLASSES = ("role_change", "missing_stop_token", "retokenized", "template_rerender", "other")
@@ -134,6 +134,9 @@ class AggregateStats:
 def _usable(call: CallRecord, stats: AggregateStats, vocab: Vocabulary) -> bool:
     if call.status != "ok":
         stats.skipped_calls["error"] += 1
+        return False
+    if record_fault(call):  # (the rule a record is written under, read again: one edited in Redis, more ids than
+        stats.skipped_calls["record_fault"] += 1  # logprobs, was exported and trained as it was; round 23)
         return False
     if sampling_not_plain(call.request):  # its logprobs are not its sampling distribution's: off-policy data
         stats.skipped_calls["sampling_not_plain"] += 1
@@ -267,8 +270,9 @@ def build_rows(calls: list[CallRecord], mode: str = "trajectory", stats: Aggrega
     """Rows of one rollout attempt's calls (ordered by ``seq``).
 
     Args:
-        calls: the attempt's recorded calls; failed calls, calls without token ids, calls that did not
-            sample from the distribution their logprobs describe
+        calls: the attempt's recorded calls; failed calls, calls that break the rules a record is written under
+            (:func:`agl_common.schemas.record_fault`: a record edited in Redis), calls without token ids, calls that
+            did not sample from the distribution their logprobs describe
             (:func:`agl_common.schemas.sampling_not_plain`: ``temperature: 0.7``, a ``top_p``, a bias...) and
             calls holding a token id past ``vocab.size`` are skipped, counted in ``stats.skipped_calls`` by reason.
         mode: ``"trajectory"`` (merge by exact token prefix) or ``"transition"`` (one row per call).
