@@ -595,3 +595,18 @@ def test_a_record_edited_in_redis_is_not_made_a_row():
     stats = AggregateStats()
     assert build_rows([record([5.0, -0.2])], stats=stats) == [] and stats.skipped_calls["record_fault"] == 1
     assert len(build_rows([record([-0.1] * 6)])) == 1
+
+
+def test_the_chunk_relayed_to_the_agent_is_the_one_the_engine_sent():
+    """(Found by the suite on round 23's own fix.) Taking a delta's strings out for the record took them out of the
+    chunk relayed to the agent: a ``function_call``'s name and arguments reached the agent empty."""
+    import copy
+
+    from agl_gateway.capture import StreamCapture
+
+    cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+    cap.cap.prompt_token_ids = [1, 2]
+    sent = _chunk({"role": "assistant", "content": "", "reasoning_content": "why",
+                   "function_call": {"name": "lookup", "arguments": "{}"}, "audio": {"type": "x", "id": "a"}}, [5])
+    relayed, _ = cap.feed(copy.deepcopy(sent))
+    assert relayed["choices"][0]["delta"] == sent["choices"][0]["delta"], relayed

@@ -424,7 +424,7 @@ def _take_strings(fields: dict[str, Any], path: tuple[str, ...], pieces: dict[tu
     (round 23: 64 MB took minutes on the event loop). The rest is merged by the SDK; :func:`_put` puts them back."""
     for name in list(fields):
         value = fields[name]
-        if isinstance(value, str):
+        if isinstance(value, str) and name not in ("index", "type"):  # (the SDK replaces those two, never joins)
             pieces.setdefault((*path, name), []).append(fields.pop(name))
         elif isinstance(value, dict):
             _take_strings(value, (*path, name), pieces)
@@ -516,10 +516,11 @@ class StreamCapture:
             for name in fields.keys() & set(TEXT_FIELDS):
                 if not isinstance(fields[name], str):  # (as check_choice: what the agent got)
                     raise MalformedUpstream(f"'delta.{name}' is not a string")
+            fields = copy.deepcopy(fields)  # (the chunk itself goes to the agent as it came)
             _take_strings(fields, (), self.pieces)  # (the SDK's merge of strings, joined once in result())
             try:  # the OpenAI SDK's own merge of a delta: the record holds the message the agent's SDK built (a
                 # function_call streamed in pieces kept its last piece; a late "" replaced a recorded object)
-                accumulate_delta(self.other, copy.deepcopy(fields))
+                accumulate_delta(self.other, fields)
             except (TypeError, RuntimeError) as exc:  # (a list of pieces without their index)
                 raise MalformedUpstream(f"a stream delta the OpenAI SDK cannot merge: {exc}"[:300]) from None
             for tc in _given(delta, "tool_calls", list, "'delta.tool_calls'"):
