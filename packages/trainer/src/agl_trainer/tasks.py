@@ -6,6 +6,7 @@ Imported once per use; every fault of the user's file is a :class:`TaskError` th
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import json
 from collections.abc import Callable
@@ -116,7 +117,12 @@ def load_is_correct(task_file: str | Path, fn: str | None = "is_correct") -> Cal
         """The task file's function, any error of it a :class:`TaskError` naming it (one line: an error on an input
         but the first checked at start was a traceback after a whole evaluation; round 23)."""
         try:
-            return bool(user(task, reward))
+            answer = user(task, reward)
+            if inspect.isawaitable(answer) or inspect.isgenerator(answer) or inspect.isasyncgen(answer):
+                getattr(answer, "close", lambda: None)()  # (an async def: a coroutine is true, every answer was
+                raise TypeError(f"it returned a {type(answer).__name__}, not a truth value (an async def or a "  # right)
+                                "generator?)")
+            return bool(answer)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code
             raise TaskError(f"task file {task_file}: {fn}(input, {reward!r}) raised {type(exc).__name__}: "
                             f"{exc}"[:500]) from exc
