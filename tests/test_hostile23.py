@@ -682,3 +682,16 @@ async def test_round_23s_fixes_as_the_twenty_sixth_and_seventh_probers_found_the
     (run_dir / "config.json").write_text(json.dumps({**TrainConfig().shown(), "backend": "verl"}))
     with pytest.raises(NotResumable, match="verl"):
         check_resumable(TrainConfig(), run_dir)
+
+
+def test_one_run_directory_is_trained_by_one_process(tmp_path):
+    """(The twenty-seventh prober.) Two trainers resumed one run directory under two prefixes (the lease is the
+    prefix's) and both wrote its checkpoint, metrics and adapters. A run directory is locked while a trainer holds it."""
+    from agl_trainer.checkpoint import NotResumable
+    from agl_trainer.run import hold_run_dir
+
+    first = hold_run_dir(tmp_path)
+    with pytest.raises(NotResumable, match="another process"):
+        hold_run_dir(tmp_path)
+    first.close()
+    hold_run_dir(tmp_path).close()

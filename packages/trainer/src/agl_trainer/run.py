@@ -48,49 +48,51 @@ def run_training(cfg: TrainConfig, console: Console | None = None, resume_dir: P
         check_resumable(cfg, run_dir)
         check_cpu_checkpoint(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
-        import os
+    held = hold_run_dir(run_dir)  # (released when this returns or raises, or when the process ends)
+    try:
+        if not console.is_terminal:  # a pipe or a log: no progress bars that would print as one huge line
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+            from transformers.utils import logging as hf_logging
 
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-        from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
+        from .hardware import describe
 
-        hf_logging.disable_progress_bar()
-    from .hardware import describe
-
-    hw = describe(cfg.dtype)
-    console.print(f"CPU {hw['model']} ({hw['cores']} cores; {' '.join(hw['flags']) or 'no AVX2'}; PyTorch kernels "
-                  f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
-    console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
-                  f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
-    # the vocabulary (merge-break classes, end-of-turn ids, the bound on ids) before any service starts: a model
-    # directory's file that cannot be read is one line then (ModelFilesError), not a hang with every service up
-    vocab = load_vocabulary(ensure_base_model(cfg.base_model, announce=console.print))
-    with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url, cfg.harness_user),
-                                                         cfg.prefix, run_dir.name) as lease:
-        # the prefix is this trainer's from here on: nothing another trainer uses was touched before (the engine's
-        # weights, the gateway, the controller, a live run's config.json on a second --resume of it)
-        redis_url = lease.redis_url
-        (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
-        engine, base = start_engine(svc, cfg, console, lora=cfg.policy_serving == "adapter")
-        if cfg.engine_url:  # an engine this run did not start: can it swap policies? (before minutes of training)
-            asyncio.run(check_engine(engine, cfg.policy_serving))
-        backend = cpu_backend(cfg, base, run_dir, engine)
-        # before any agent can call it: the engine serves the saved policy (or the base one)
-        asyncio.run(backend.serve(state["version"] if state else 0))
-        gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
-        console.print(f"engine {redacted_urls(engine)}, gateway {redacted_url(gateway)}, "
-                      f"redis {redacted_url(redis_url)}"
-                      f"{' (started for this run; its URL: logs/redis.url)' if 'redis' in svc.procs else ''}, "
-                      f"run {run_dir}")
-        try:
-            return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab, lease))
-        finally:
-            # an engine this run did not start gets its base weights again (not once another trainer holds the prefix)
-            if cfg.engine_url and cfg.policy_serving == "merged" and lease.lost is None:
-                try:
-                    asyncio.run(backend.serve(0))
-                except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
-                    console.print(f"could not give the engine its base weights back: {exc}")
+        hw = describe(cfg.dtype)
+        console.print(f"CPU {hw['model']} ({hw['cores']} cores; {' '.join(hw['flags']) or 'no AVX2'}; PyTorch kernels "
+                      f"{hw['capability']}): {hw['dtype']} (dtype {cfg.dtype})")
+        console.print(f"run {run_dir}: {cfg.steps} steps at most ({cfg.max_train_minutes or '-'} min of training), "
+                      f"{cfg.groups_per_step} groups × {cfg.group_size} rollouts per step, held-out n={cfg.eval_size}")
+        # the vocabulary (merge-break classes, end-of-turn ids, the bound on ids) before any service starts: a model
+        # directory's file that cannot be read is one line then (ModelFilesError), not a hang with every service up
+        vocab = load_vocabulary(ensure_base_model(cfg.base_model, announce=console.print))
+        with Services(run_dir / "logs") as svc, TrainerLease(svc.ensure_redis(cfg.redis_url, cfg.harness_user),
+                                                             cfg.prefix, run_dir.name) as lease:
+            # the prefix is this trainer's from here on: nothing another trainer uses was touched before (the engine's
+            # weights, the gateway, the controller, a live run's config.json on a second --resume of it)
+            redis_url = lease.redis_url
+            (run_dir / "config.json").write_text(json.dumps(cfg.shown(), indent=2))
+            engine, base = start_engine(svc, cfg, console, lora=cfg.policy_serving == "adapter")
+            if cfg.engine_url:  # an engine this run did not start: can it swap policies? (before minutes of training)
+                asyncio.run(check_engine(engine, cfg.policy_serving))
+            backend = cpu_backend(cfg, base, run_dir, engine)
+            # before any agent can call it: the engine serves the saved policy (or the base one)
+            asyncio.run(backend.serve(state["version"] if state else 0))
+            gateway = start_agents(svc, cfg, engine, redis_url, cfg.model_name, run_dir / "logs" / "rollouts")
+            console.print(f"engine {redacted_urls(engine)}, gateway {redacted_url(gateway)}, "
+                          f"redis {redacted_url(redis_url)}"
+                          f"{' (started for this run; its URL: logs/redis.url)' if 'redis' in svc.procs else ''}, "
+                          f"run {run_dir}")
+            try:
+                return asyncio.run(train_async(cfg, run_dir, console, redis_url, state, backend, vocab, lease))
+            finally:
+                # an engine this run did not start gets its base weights again (not once another trainer holds the prefix)
+                if cfg.engine_url and cfg.policy_serving == "merged" and lease.lost is None:
+                    try:
+                        asyncio.run(backend.serve(0))
+                    except Exception as exc:  # noqa: BLE001 - best effort; the next merged run reloads it anyway
+                        console.print(f"could not give the engine its base weights back: {exc}")
+    finally:
+        held.close()
 
 
 def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
@@ -126,6 +128,22 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
                            "cannot be restored into this config; resume it with the settings it was trained with")
     if cfg.roles and (why := missing_served(run_dir, list(cfg.roles))):
         raise NotResumable(why)
+
+
+def hold_run_dir(run_dir: Path):
+    """An open file holding an exclusive ``flock`` of ``{run_dir}/.trainer.lock`` (kept while the file is open, and
+    released by the kernel when the process ends, however). Raises :class:`NotResumable` if another process holds
+    it: two trainers resumed one run directory under two prefixes (the lease is a prefix's), and both wrote its
+    checkpoint, metrics and adapters (round 23)."""
+    import fcntl
+
+    lock = open(run_dir / ".trainer.lock", "a")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise NotResumable(f"{run_dir} is being trained by another process (its .trainer.lock is held)") from None
+    return lock
 
 
 def check_cpu_checkpoint(cfg: TrainConfig, run_dir: Path) -> None:
