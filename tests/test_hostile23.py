@@ -616,7 +616,7 @@ async def test_round_23s_fixes_as_the_twenty_sixth_and_seventh_probers_found_the
     """(The twenty-sixth prober, on the fixes above; the twenty-seventh, on resuming.) A stream field sent as a string
     then as something else was recorded by type, not as the agent's SDK read it (now an error record), and a ``null``
     then a string kept the ``null``; a legacy ``function_call`` or ``audio`` answer on ``/v1/messages`` reached the
-    agent as an empty message, recorded ``ok``; masking a credential right after a backslash (``\\\\n`` + ``ightowl``)
+    agent as an empty message, recorded ``ok`` (now a ``tool_use`` block, and a 502); masking a credential right after a backslash (``\\\\n`` + ``ightowl``)
     made the answer and its record invalid JSON; one unreadable pause entry (``soon``, ``inf``, a key not UTF-8) broke
     the gateway's control loop and ``gateway resume --pause``; a trainer lease not UTF-8 was a traceback; an ``async
     def is_correct`` counted every answer right; an interrupted evaluation's running rollouts were handed back to the
@@ -643,11 +643,16 @@ async def test_round_23s_fixes_as_the_twenty_sixth_and_seventh_probers_found_the
         if ok:
             assert answer["choices"][0]["message"]["x"] == {"y": "a"}
 
-    for field in ({"function_call": {"name": "f", "arguments": "{}"}}, {"audio": {"id": "a", "data": "xx"}}):
-        answer = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": None, **field}, "finish_reason": "stop"}]}
-        with pytest.raises(ValueError, match="Anthropic route carries"):
-            chat_to_anthropic(answer, {"model": "m"})
+    def answer_with(**field):
+        return {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": None, **field}, "finish_reason": "function_call"}]}
+
+    out = chat_to_anthropic(answer_with(function_call={"name": "f", "arguments": '{"a": 1}'}), {"model": "m"})
+    assert [(b["type"], b["name"], b["input"]) for b in out["content"]] == [("tool_use", "f", {"a": 1})], out
+    assert out["stop_reason"] == "tool_use"
+    with pytest.raises(ValueError, match="Anthropic route carries"):
+        chat_to_anthropic(answer_with(audio={"id": "a", "data": "xx"}), {"model": "m"})
 
     body = b'{"a":"Owls:\\nightowl-2024 x nightowl-2024"}'
     assert json.loads(mask_key(body, b"nightowl-2024")) == {"a": "Owls:\nightowl-2024 x *************"}

@@ -378,13 +378,18 @@ def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
 def chat_to_anthropic(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """Chat Completions answer → Anthropic message (``model`` as the agent asked)."""
     litellm, adapter, _ = _litellm()
-    check_tool_arguments(answer)
     choices = answer.get("choices") or [{}]
     message = choices[0].get("message") if isinstance(choices[0], dict) else None
-    for field in ("function_call", "audio"):  # (LiteLLM drops them: the agent got an empty message, recorded ok)
-        if isinstance(message, dict) and message.get(field):
-            raise ValueError(f"an answer holding a {field!r} (the Anthropic route carries text, tool_use and "
-                             "thinking blocks only)")
+    if isinstance(message, dict) and isinstance(message.get("function_call"), dict) and not message.get("tool_calls"):
+        # a legacy function_call is one tool call (LiteLLM drops it: the agent got an empty message, recorded ok)
+        call = {"id": f"call_{answer.get('id') or 'legacy'}", "type": "function", "function": message["function_call"]}
+        message = {k: v for k, v in message.items() if k != "function_call"} | {"tool_calls": [call]}
+        finish = "tool_calls" if choices[0].get("finish_reason") == "function_call" else choices[0].get("finish_reason")
+        answer = {**answer, "choices": [{**choices[0], "message": message, "finish_reason": finish}, *choices[1:]]}
+    if isinstance(message, dict) and message.get("audio"):  # (dropped by LiteLLM too: no block carries it)
+        raise ValueError("an answer holding 'audio' (the Anthropic route carries text, tool_use and thinking "
+                         "blocks only)")
+    check_tool_arguments(answer)
     out = _dump(adapter.translate_completion_output_params(litellm.ModelResponse(**answer)))
     ids = [b.get("id") for b in out.get("content") or [] if isinstance(b, dict) and b.get("type") == "tool_use"]
     if len(set(ids)) < len(ids):  # (LiteLLM rewrites ids to [A-Za-z0-9_-]: call<1 and call>1 became one)
