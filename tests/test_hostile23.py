@@ -261,13 +261,13 @@ async def test_an_engine_urls_credentials_are_masked_in_answers_and_records(stor
     seen = []
     with Served(app) as up:
         with_password = up.url.replace("http://", "http://engineuser:S3cretEnginePassword@")
-        for upstream, kw, secret in ((with_password, {}, f"Basic {b64}"), (up.url, {"upstream_key": key},
-                                                                             f"Bearer {key}")):
+        for upstream, kw, secret in ((with_password, {"upstream_key": None}, f"Basic {b64}"),  # (not the suite's
+                                     (up.url, {"upstream_key": key}, f"Bearer {key}")):  # AGL_UPSTREAM_KEY)
             with gateway(redis_url, prefix, upstream, **kw) as gw:
                 async with httpx.AsyncClient(timeout=30) as c:
                     plans = [("body", 400, orjson.dumps({"error": {"message": f"Authorization was '{secret}'"}})),
                              ("body", 200, answer(f"auth={secret}"))]
-                    if not kw:  # (the password itself, and user:password, echoed by the engine that was sent them)
+                    if kw["upstream_key"] is None:  # (the password itself, and user:password, echoed by the engine)
                         plans.append(("body", 200, answer("pw=S3cretEnginePassword u:p=engineuser:S3cretEnginePassword")))
                     for plan in plans:
                         app.state.plan = plan
