@@ -59,6 +59,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, PipelineCommand, RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
@@ -267,8 +268,6 @@ class UnreadableRecord(ValueError):
 def _parsed(model: type, raw: bytes | str, what: str):
     """``raw`` read as ``model`` (a pydantic model); :class:`UnreadableRecord` naming ``what`` if it does not
     validate."""
-    from pydantic import ValidationError
-
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

@@ -114,12 +114,15 @@ def _json_file(path: Path):
     from .files import read_small_file
 
     try:
-        data = json.loads(read_small_file(path, MODEL_JSON_MAX_BYTES))
-    except ValueError as exc:  # (read_small_file's one line; a JSONDecodeError, a UnicodeDecodeError)
-        raise ModelFilesError(str(exc) if str(path) in str(exc) else f"{path}: not JSON ({exc})") from None
+        raw = read_small_file(path, MODEL_JSON_MAX_BYTES)
+    except ValueError as exc:  # (its one line names the file)
+        raise ModelFilesError(str(exc)) from None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # (a JSONDecodeError, a UnicodeDecodeError)
+        raise ModelFilesError(f"{path}: not JSON ({exc})") from None
     except RecursionError:
         raise ModelFilesError(f"{path}: not JSON (nested too deeply)") from None
-    return data
 
 
 def check_model_files(model_dir: str | Path) -> None:
